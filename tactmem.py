@@ -1,0 +1,1245 @@
+"""A bounded, global memory of durable conclusions for coding agents, in one file.
+
+tactmem keeps one small SQLite corpus of atomic conclusions ("In the `ledgerline` repository,
+releases are tagged by CI, never by hand") that agents reach only through explicit operations:
+``scan`` (BM25 over the corpus, at most five 64-byte preview cards), ``read`` (full records,
+marking them used), ``put`` (add, or replace with the expected version) and ``delete`` (with the
+expected version). Storage is strictly bounded, secret-shaped content is refused, and unread new
+records expire after seven days of probation.
+
+Requires Python >= 3.11, attrs >= 23.1 and cattrs >= 23.2. Vendoring: copy this file.
+
+Command line::
+
+    tactmem [--db PATH] [--json] scan QUERY [--limit N]
+    tactmem [--db PATH] [--json] read ID [ID ...]
+    tactmem [--db PATH] [--json] put CONTENT|- [--replace ID@VERSION]
+    tactmem [--db PATH] [--json] delete ID@VERSION
+    tactmem [--db PATH] [--json] list [--sort useful|newest|oldest|least]
+    tactmem [--db PATH] [--json] stats
+    tactmem demo
+"""
+
+# tactmem is released under the MIT licence; keep this notice in vendored copies.
+# Copyright (c) 2026 the tactmem authors.
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import sqlite3
+import sys
+import tempfile
+import threading
+import time
+import unicodedata
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, Final, NoReturn
+
+import attrs
+
+if __name__ == "__main__":  # `python -m tactmem`: let `import tactmem` find this same module
+    sys.modules.setdefault("tactmem", sys.modules[__name__])
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Candidate",
+    "Conflict",
+    "ContentCapacity",
+    "ContentTooLarge",
+    "DatabaseCapacity",
+    "Duplicate",
+    "EmptyContent",
+    "InvalidRequest",
+    "Key",
+    "Limits",
+    "NotFound",
+    "NotRoot",
+    "QueryTooLarge",
+    "Record",
+    "RecordCapacity",
+    "ScanRequired",
+    "ScanResult",
+    "SecretRejected",
+    "StorageError",
+    "Store",
+    "StoreBusy",
+    "TactmemError",
+    "UnsupportedSchema",
+    "find_secret",
+    "main",
+    "normalized_identity",
+    "preview",
+    "rank",
+    "tokenize",
+]
+
+# ============================================================================ constants (pure)
+
+SCHEMA_VERSION: Final = 1
+PAGE_SIZE_BYTES: Final = 4096
+BUSY_TIMEOUT_S: Final = 5.0
+PREVIEW_BYTES: Final = 64
+MAX_SQL_INT: Final = 2**63 - 1
+BM25_K1: Final = 1.2
+BM25_B: Final = 0.75
+DEFAULT_DB_PATH: Final = os.path.join("~", ".tact", "memory", "v1.sqlite3")
+SORT_MODES: Final = ("useful", "newest", "oldest", "least")
+
+# Unicode White_Space, which Rust's `trim` and `split_whitespace` use. Python's `str.split()`
+# also splits on U+001C..U+001F; the reference does not, and identities must agree with it.
+_WS: Final = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_WS_RUN: Final = re.compile(f"[{_WS}]+")
+
+# Word characters are Rust's `char::is_alphanumeric` plus `_`. Python's `\w` is the same set
+# except for the circled and squared letters (Other_Alphabetic, category So), added here.
+_WORD_CLASS: Final = (
+    "\\w\u24b6-\u24e9\U0001f130-\U0001f149\U0001f150-\U0001f169\U0001f170-\U0001f189"
+)
+_WORD_RUN: Final = re.compile(f"[{_WORD_CLASS}]+")
+_WORD_CHAR: Final = re.compile(f"[{_WORD_CLASS}]")
+# Runs that may hold words; non-ASCII separators and combining marks are sorted out per char.
+_MAYBE_WORD_RUN: Final = re.compile(f"[{_WORD_CLASS}\x80-\U0010ffff]+")
+_COMBINING_MARKS: Final = frozenset({"Mn", "Mc"})
+# Han, Hiragana, Katakana (with half-width forms) and Hangul: scripts written without spaces.
+_CJK_RUN: Final = re.compile(
+    "[\u1100-\u11ff\u3005\u3007\u3021-\u3029\u3040-\u30ff\u3130-\u318f\u31f0-\u31ff"
+    "\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f\uac00-\ud7ff\uf900-\ufaff\uff66-\uffdc"
+    "\U00020000-\U0003134f]+"
+)
+
+# ------------------------------------------------------------------------ secret rules
+# Each rule is best effort and names a shape, never the matched text. Rules marked "(ai)" match
+# ASCII letters case-insensitively, as the reference's `to_ascii_lowercase` does.
+_AI: Final = re.ASCII | re.IGNORECASE
+# A PEM private-key header that is a whole line: `-----BEGIN RSA PRIVATE KEY-----` (ai).
+_PEM_PRIVATE_KEY: Final = re.compile(
+    f"^[{_WS}]*-----begin .*private key-----[{_WS}]*$", _AI | re.MULTILINE
+)
+# An HTTP Authorization header at the start of a line (ai).
+_AUTHORIZATION_HEADER: Final = re.compile(f"^[{_WS}]*authorization[:=]", _AI | re.MULTILINE)
+# `bearer ` then a token-ish run; the run is checked in code: >= 12 chars, not all letters (ai).
+_BEARER: Final = re.compile(r"bearer (?=([a-z0-9._~+/-]+))", _AI)
+# Provider token prefixes, not glued to a preceding word, with >= 12 token chars (ai).
+_PROVIDER_PREFIX: Final = re.compile(
+    r"(?<![a-z0-9_])(?:sk-|sk_|ghp_|gho_|ghu_|ghs_|github_pat_|xoxb-|xoxp-|xoxa-|xoxr-|akia)"
+    r"[a-z0-9_-]{12}",
+    _AI,
+)
+# A value assigned to a credential-like name anywhere (`DATABASE_PASSWORD=x`, `apiToken: x`).
+_CREDENTIAL_ASSIGNMENT: Final = re.compile(
+    "(?:password|passwd|secret|token|private_key|private-key|api_key|api-key|apikey)"
+    f"[{_WS}]*[:=][{_WS}]*[^{_WS}]",
+    _AI,
+)
+# Provider shapes the reference misses (case-sensitive unless marked).
+_PROVIDER_SHAPES: Final = (
+    ("anthropic_key", re.compile(r"(?<![A-Za-z0-9_])sk-ant-[A-Za-z0-9_-]{12}")),
+    ("google_api_key", re.compile(r"(?<![A-Za-z0-9_])AIza[A-Za-z0-9_-]{35}")),
+    ("gitlab_token", re.compile(r"(?<![A-Za-z0-9_])glpat-[A-Za-z0-9_-]{20}")),
+    ("npm_token", re.compile(r"(?<![A-Za-z0-9_])npm_[A-Za-z0-9]{36}")),
+    ("pypi_token", re.compile(r"(?<![A-Za-z0-9_])pypi-AgE[A-Za-z0-9_-]{16}")),
+    ("huggingface_token", re.compile(r"(?<![A-Za-z0-9_])hf_[A-Za-z0-9]{30}")),
+    ("slack_app_token", re.compile(r"(?<![A-Za-z0-9_])xapp-[A-Za-z0-9-]{12}")),
+    ("slack_webhook", re.compile(r"hooks\.slack\.com/services/T[A-Za-z0-9_]+/B[A-Za-z0-9_]+/\w")),
+    ("stripe_key", re.compile(r"(?<![A-Za-z0-9_])(?:rk_live_|rk_test_|pk_live_)[A-Za-z0-9]{12}")),
+    # `aws_secret_access_key = <40 chars>` and `"SecretAccessKey": "<40 chars>"` (ai name).
+    (
+        "aws_secret_key",
+        re.compile(
+            f"secret_?access_?key[\"']?[{_WS}]*[:=][{_WS}]*[\"']?[a-z0-9/+]{{40}}(?![a-z0-9/+])",
+            _AI,
+        ),
+    ),
+    # Azure storage connection strings: `AccountKey=<base64>` (ai name).
+    ("azure_account_key", re.compile(r"accountkey=[a-z0-9+/]{20}", _AI)),
+    ("sendgrid_key", re.compile(r"(?<![A-Za-z0-9_])SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}")),
+)
+_JWT: Final = re.compile(r"eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")
+_JWT_TRIMMED: Final = re.compile(r"[A-Za-z0-9_.-](?:.*[A-Za-z0-9_.-])?", re.DOTALL)
+_URL_AUTHORITY_END: Final = re.compile(r"[/?#]")
+
+# ============================================================================ errors (pure)
+
+
+class TactmemError(Exception):
+    """The root of every error tactmem raises on purpose; `code` is stable, `str()` is safe."""
+
+    code: ClassVar[str] = "error"
+    message: ClassVar[str] = "memory operation failed"
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(self.message if message is None else message)
+
+
+class EmptyContent(TactmemError):
+    code = "empty_content"
+    message = "memory content is empty"
+
+
+class _LimitError(TactmemError):
+    """An error naming the limit it enforces, in the reference's wording."""
+
+    template: ClassVar[str] = "{limit}"
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(self.template.format(limit=limit))
+
+
+class ContentTooLarge(_LimitError):
+    code = "content_too_large"
+    template = "memory content exceeds the {limit}-byte limit"
+
+
+class QueryTooLarge(_LimitError):
+    code = "query_too_large"
+    template = "memory query exceeds the {limit}-byte limit"
+
+
+class RecordCapacity(_LimitError):
+    code = "record_capacity"
+    template = "memory record capacity of {limit} was reached"
+
+
+class ContentCapacity(_LimitError):
+    code = "content_capacity"
+    template = "memory content capacity of {limit} bytes was reached"
+
+
+class DatabaseCapacity(TactmemError):
+    code = "database_capacity"
+    message = "memory database capacity was reached"
+
+
+class SecretRejected(TactmemError):
+    """Content looked like a credential. `rule` names the shape; the content is never kept."""
+
+    code = "secret_rejected"
+    message = "memory content was rejected as a likely secret"
+
+    def __init__(self, rule: str) -> None:
+        self.rule = rule
+        super().__init__()
+
+
+class Duplicate(TactmemError):
+    code = "duplicate"
+    message = "an equivalent memory already exists"
+
+
+class NotFound(TactmemError):
+    code = "not_found"
+    message = "memory was not found"
+
+
+class Conflict(TactmemError):
+    code = "conflict"
+    message = "memory changed since it was read"
+
+
+class UnsupportedSchema(TactmemError):
+    code = "unsupported_schema"
+
+    def __init__(self, found: int, supported: int = SCHEMA_VERSION) -> None:
+        self.found = found
+        self.supported = supported
+        super().__init__(
+            f"memory schema version {found} is unsupported; this build supports version {supported}"
+        )
+
+
+class StoreBusy(TactmemError):
+    code = "store_busy"
+    message = "memory store is busy; try again"
+
+
+class StorageError(TactmemError):
+    code = "storage_error"
+    message = "memory storage operation failed"
+
+
+class NotRoot(TactmemError):
+    code = "not_root"
+    message = "memory mutation is only available to root agents"
+
+
+class ScanRequired(TactmemError):
+    code = "scan_required"
+    message = "scan memory before storing a conclusion"
+
+
+class InvalidRequest(TactmemError):
+    code = "invalid_request"
+    message = "memory request is invalid"
+
+
+# ============================================================================ values (pure)
+
+
+def _positive(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if type(value) is not int or value <= 0:
+        raise ValueError(f"Limits.{attribute.name} must be a positive int")
+
+
+@attrs.frozen
+class Limits:
+    """Every bound of one store. The defaults are the design's production limits."""
+
+    content_bytes: int = attrs.field(default=1024, validator=_positive)
+    records: int = attrs.field(default=512, validator=_positive)
+    total_content_bytes: int = attrs.field(default=262_144, validator=_positive)
+    database_bytes: int = attrs.field(default=4_194_304, validator=_positive)
+    scan_results: int = attrs.field(default=5, validator=_positive)
+    query_bytes: int = attrs.field(default=512, validator=_positive)
+    probation_ms: int = attrs.field(default=604_800_000, validator=_positive)
+
+
+@attrs.frozen(order=True)
+class Key:
+    """A record's stable id and the version a replace or delete expects."""
+
+    id: int
+    version: int
+
+
+@attrs.frozen
+class Record:
+    """One stored conclusion with its telemetry. Times are Unix milliseconds."""
+
+    key: Key
+    content: str = attrs.field(repr=False)
+    created_at_ms: int
+    updated_at_ms: int
+    last_scanned_at_ms: int | None
+    scan_count: int
+    last_used_at_ms: int | None
+    use_count: int
+    probation_until_ms: int | None
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> Record:
+        """Build from a row of `_RECORD_COLUMNS`."""
+        return cls(Key(row[0], row[1]), *row[2:])
+
+
+@attrs.frozen
+class Candidate:
+    """One scan card: a key, a preview of at most 64 bytes, and the raw BM25 score."""
+
+    key: Key
+    preview: str = attrs.field(repr=False)
+    score: float
+
+
+@attrs.frozen
+class ScanResult:
+    abstained: bool
+    candidates: tuple[Candidate, ...]
+
+
+# ============================================================================ core (pure)
+# ------------------------------------------------------------------------ tokenizing
+
+
+def _word_runs(text: str) -> Iterator[str]:
+    """Yield maximal runs of word characters; combining marks continue a run, never start one."""
+    for match in _MAYBE_WORD_RUN.finditer(text):
+        chunk = match.group()
+        if chunk.isascii() or _WORD_RUN.fullmatch(chunk):
+            yield chunk
+            continue
+        start = -1  # slow path: the chunk holds a non-ASCII separator or a combining mark
+        for index, char in enumerate(chunk):
+            if _WORD_CHAR.match(char) or (
+                start >= 0 and unicodedata.category(char) in _COMBINING_MARKS
+            ):
+                if start < 0:
+                    start = index
+            elif start >= 0:
+                yield chunk[start:index]
+                start = -1
+        if start >= 0:
+            yield chunk[start:]
+
+
+def _components(run: str) -> Iterator[str]:
+    """Split on `_`, then before an upper-case char that follows a lower-case char or a digit."""
+    for piece in run.split("_"):
+        start = 0
+        for index in range(1, len(piece)):
+            previous = piece[index - 1]
+            if piece[index].isupper() and (previous.islower() or "0" <= previous <= "9"):
+                yield piece[start:index].lower()
+                start = index
+        if piece:
+            yield piece[start:].lower()
+
+
+def _run_tokens(run: str) -> list[str]:
+    """The whole run lowercased, then each new component (and CJK bigrams and pieces)."""
+    whole = run.lower()
+    tokens = [whole]
+    seen = {whole}
+
+    def emit(parts: Iterable[str]) -> None:
+        for part in parts:
+            if part and part not in seen:
+                seen.add(part)
+                tokens.append(part)
+
+    emit(_components(run))
+    if _CJK_RUN.search(run):
+        for cjk in _CJK_RUN.findall(run):
+            emit([cjk] if len(cjk) == 1 else (cjk[i : i + 2] for i in range(len(cjk) - 1)))
+        for piece in _CJK_RUN.split(run):
+            if piece:
+                emit([piece.lower()])
+                emit(_components(piece))
+    return tokens
+
+
+def tokenize(text: str) -> list[str]:
+    """Split text into lowercase search terms, the reference's way (see the README)."""
+    return [token for run in _word_runs(text) for token in _run_tokens(run)]
+
+
+def _query_terms(query: str) -> list[str]:
+    """Distinct query terms in code-point order: repeating a term changes nothing."""
+    return sorted(set(tokenize(query)))
+
+
+# ------------------------------------------------------------------------ ranking
+
+
+class _Corpus:
+    """Token statistics of a set of documents, kept up to date one document at a time.
+
+    Hidden documents (legacy secret-shaped rows) are remembered so they are not re-checked,
+    but take no part in ranking.
+    """
+
+    def __init__(self) -> None:
+        self.versions: dict[int, int] = {}
+        self.contents: dict[int, str] = {}
+        self.term_counts: dict[int, Counter[str]] = {}
+        self.lengths: dict[int, int] = {}
+        self.postings: dict[str, dict[int, int]] = {}
+        self.total_length = 0
+
+    def add(self, doc_id: int, version: int, content: str, *, hidden: bool = False) -> None:
+        self.remove(doc_id)
+        self.versions[doc_id] = version
+        if hidden:
+            return
+        tokens = tokenize(content)
+        counts = Counter(tokens)
+        self.contents[doc_id] = content
+        self.term_counts[doc_id] = counts
+        self.lengths[doc_id] = len(tokens)
+        self.total_length += len(tokens)
+        for term, count in counts.items():
+            self.postings.setdefault(term, {})[doc_id] = count
+
+    def remove(self, doc_id: int) -> None:
+        self.versions.pop(doc_id, None)
+        self.contents.pop(doc_id, None)
+        counts = self.term_counts.pop(doc_id, None)
+        if counts is None:
+            return
+        self.total_length -= self.lengths.pop(doc_id)
+        for term in counts:
+            posting = self.postings[term]
+            del posting[doc_id]
+            if not posting:
+                del self.postings[term]
+
+    def rank(self, terms: Sequence[str], limit: int) -> list[tuple[int, float]]:
+        """BM25 (k1 1.2, b 0.75, idf ln(1 + (N - df + .5)/(df + .5))), best first, ties by id.
+
+        Terms must be sorted: each document's score is summed in term order, so the floats
+        are bit-identical to the reference's.
+        """
+        n = len(self.lengths)
+        if limit <= 0 or n == 0 or not terms:
+            return []
+        average_length = self.total_length / n
+        scores: dict[int, float] = {}
+        for term in terms:
+            posting = self.postings.get(term)
+            if not posting:
+                continue
+            df = len(posting)
+            idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+            for doc_id, tf in posting.items():
+                ratio = self.lengths[doc_id] / average_length if average_length else 0.0
+                score = idf * tf * (BM25_K1 + 1) / (tf + BM25_K1 * ((1 - BM25_B) + BM25_B * ratio))
+                scores[doc_id] = scores.get(doc_id, 0.0) + score
+        ranked = sorted(scores.items(), key=lambda item: (-item[1], item[0]))
+        return [item for item in ranked if item[1] > 0.0][:limit]
+
+
+def rank(query: str, docs: Iterable[tuple[int, str]], *, limit: int = 5) -> list[tuple[int, float]]:
+    """Rank `(id, text)` documents against a query with BM25; docs sharing no term are left out."""
+    corpus = _Corpus()
+    for doc_id, text in docs:
+        corpus.add(doc_id, 0, text)
+    return corpus.rank(_query_terms(query), limit)
+
+
+def preview(content: str, max_bytes: int = PREVIEW_BYTES) -> str:
+    """The longest prefix of `content` that fits in `max_bytes` of UTF-8, never splitting a char."""
+    encoded = content.encode("utf-8")
+    if len(encoded) <= max_bytes:
+        return content
+    return encoded[:max_bytes].decode("utf-8", "ignore")
+
+
+# ------------------------------------------------------------------------ secrets and identity
+
+
+def _bearer_token(text: str) -> bool:
+    for match in _BEARER.finditer(text):
+        run = match.group(1)[:128]
+        if len(run) >= 12 and not run.isalpha():
+            return True
+    return False
+
+
+def _credential_url(text: str) -> bool:
+    for word in _WS_RUN.split(text):
+        scheme_end = word.find("://")
+        if scheme_end < 0:
+            continue
+        authority = _URL_AUTHORITY_END.split(word[scheme_end + 3 :], maxsplit=1)[0]
+        user, colon, password = authority.rpartition("@")[0].partition(":")
+        if colon and user and password:
+            return True
+    return False
+
+
+def _jwt(text: str) -> bool:
+    for word in _WS_RUN.split(text):
+        trimmed = _JWT_TRIMMED.search(word)
+        if trimmed and _JWT.fullmatch(trimmed.group()):
+            return True
+    return False
+
+
+_SECRET_RULES: Final[tuple[tuple[str, Callable[[str], object]], ...]] = (
+    ("private_key", _PEM_PRIVATE_KEY.search),
+    ("authorization_header", _AUTHORIZATION_HEADER.search),
+    ("bearer_token", lambda text: "earer " in text.lower() and _bearer_token(text)),
+    ("credential_url", lambda text: "://" in text and _credential_url(text)),
+    ("provider_token", _PROVIDER_PREFIX.search),
+    ("jwt", lambda text: "eyJ" in text and _jwt(text)),
+    ("credential_assignment", _CREDENTIAL_ASSIGNMENT.search),
+    *((name, pattern.search) for name, pattern in _PROVIDER_SHAPES),
+)
+
+
+def find_secret(content: str) -> str | None:
+    """Name the first secret rule the content matches, or None. Best effort, never the match."""
+    for name, matches in _SECRET_RULES:
+        if matches(content):
+            return name
+    return None
+
+
+def normalized_identity(content: str) -> str:
+    """The duplicate key: whitespace-separated words, lowercased, joined by one space."""
+    return " ".join(word.lower() for word in _WS_RUN.split(content) if word)
+
+
+def _utf8_length(text: str, what: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"memory {what} is not valid Unicode text") from None
+
+
+def _validate_content(content: str, limits: Limits) -> tuple[str, int]:
+    """Check content before any I/O, in the reference's order; return (identity, byte length)."""
+    size = _utf8_length(content, "content")
+    identity = normalized_identity(content)
+    if not identity:
+        raise EmptyContent()
+    if size > limits.content_bytes:
+        raise ContentTooLarge(limits.content_bytes)
+    rule = find_secret(content)
+    if rule is not None:
+        raise SecretRejected(rule)
+    return identity, size
+
+
+# ------------------------------------------------------------------------ bounds
+
+
+def _check_insert(rows: int, content_bytes: int, new_bytes: int, limits: Limits) -> None:
+    """Admit one more row of `new_bytes`, or raise the bound it would break."""
+    if rows >= limits.records:
+        raise RecordCapacity(limits.records)
+    if content_bytes + new_bytes > limits.total_content_bytes:
+        raise ContentCapacity(limits.total_content_bytes)
+
+
+def _check_replace(content_bytes: int, old_bytes: int, new_bytes: int, limits: Limits) -> None:
+    """Admit swapping a row of `old_bytes` for `new_bytes`, or raise ContentCapacity."""
+    if content_bytes - old_bytes + new_bytes > limits.total_content_bytes:
+        raise ContentCapacity(limits.total_content_bytes)
+
+
+def _probation_end(now_ms: int, limits: Limits) -> int:
+    return min(now_ms + limits.probation_ms, MAX_SQL_INT)
+
+
+def _max_pages(limits: Limits, page_size: int) -> int:
+    return -(-limits.database_bytes // page_size)
+
+
+# ------------------------------------------------------------------------ presentation
+
+
+def _sorted_records(records: Iterable[Record], mode: str) -> list[Record]:
+    """Order records like the browser: useful, newest, oldest or least (useful)."""
+
+    def newest(record: Record) -> tuple[int, int]:
+        return (-record.updated_at_ms, -record.key.id)
+
+    def oldest(record: Record) -> tuple[int, int]:
+        return (record.updated_at_ms, record.key.id)
+
+    keys: dict[str, Callable[[Record], tuple[int, ...]]] = {
+        "useful": lambda record: (-record.use_count, *newest(record)),
+        "newest": newest,
+        "oldest": oldest,
+        "least": lambda record: (record.use_count, *oldest(record)),
+    }
+    return sorted(records, key=keys[mode])
+
+
+def _visible(text: str) -> str:
+    """Make stored text safe for a terminal: controls and bidi overrides become U+FFFD."""
+    return "".join(
+        char
+        if char in "\n\t" or unicodedata.category(char) not in ("Cc", "Cf", "Cs")
+        else "\ufffd"
+        for char in text
+    )
+
+
+def _one_line(text: str) -> str:
+    return _visible(" ".join(_WS_RUN.split(text)).strip())
+
+
+def _parse_key(text: str) -> Key:
+    """`ID@VERSION` as typed on the command line."""
+    match = re.fullmatch(r"([0-9]{1,19})@([0-9]{1,19})", text.strip())
+    if match is None:
+        raise InvalidRequest("a memory key is written ID@VERSION, for example 7@2")
+    return Key(int(match.group(1)), int(match.group(2)))
+
+
+def _to_json(value: object) -> Any:
+    """Values as the reference's JSON shapes, through a private cattrs converter."""
+    return _converter().unstructure(value)
+
+
+def _converter() -> Any:
+    global _CONVERTER
+    if _CONVERTER is None:
+        import cattrs  # only the commands that print JSON pay for it
+
+        _CONVERTER = cattrs.Converter()
+    return _CONVERTER
+
+
+_CONVERTER: Any = None
+
+# ============================================================================ shell (I/O)
+
+_RECORD_COLUMNS: Final = (
+    "id, version, content, created_at_ms, updated_at_ms, last_scanned_at_ms, scan_count,"
+    " last_used_at_ms, use_count, probation_until_ms"
+)
+_SCHEMA: Final = (
+    """CREATE TABLE IF NOT EXISTS memories (
+        id INTEGER PRIMARY KEY,
+        content TEXT NOT NULL,
+        normalized_identity TEXT NOT NULL UNIQUE,
+        created_at_ms INTEGER NOT NULL,
+        updated_at_ms INTEGER NOT NULL,
+        last_scanned_at_ms INTEGER,
+        scan_count INTEGER NOT NULL DEFAULT 0 CHECK (scan_count >= 0),
+        last_used_at_ms INTEGER,
+        use_count INTEGER NOT NULL DEFAULT 0 CHECK (use_count >= 0),
+        probation_until_ms INTEGER,
+        version INTEGER NOT NULL DEFAULT 1 CHECK (version > 0)
+    )""",
+    # The allocator: ids are never reused, even after every row is deleted.
+    """CREATE TABLE IF NOT EXISTS memory_metadata (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        next_id INTEGER NOT NULL CHECK (next_id > 0)
+    )""",
+    """INSERT INTO memory_metadata (id, next_id)
+        SELECT 1, COALESCE(MAX(id), 0) + 1 FROM memories WHERE true
+        ON CONFLICT (id) DO UPDATE SET next_id = excluded.next_id
+        WHERE memory_metadata.next_id < excluded.next_id""",
+    """CREATE TRIGGER IF NOT EXISTS memory_id_allocator AFTER INSERT ON memories
+    BEGIN
+        SELECT CASE WHEN NEW.id < (SELECT next_id FROM memory_metadata WHERE id = 1)
+            THEN RAISE(ABORT, 'memory id was already allocated') END;
+        UPDATE memory_metadata SET next_id = NEW.id + 1 WHERE id = 1 AND next_id <= NEW.id;
+    END""",
+)
+_PRUNE: Final = (
+    "DELETE FROM memories WHERE probation_until_ms IS NOT NULL"
+    " AND probation_until_ms <= ? AND use_count = 0"
+)
+_SQL_CHUNK: Final = 500  # ids bound per `IN (...)`, under every SQLite variable limit
+
+
+def _now_ms() -> int:
+    return max(0, time.time_ns() // 1_000_000)
+
+
+def _chunks(items: Sequence[int]) -> Iterator[Sequence[int]]:
+    for start in range(0, len(items), _SQL_CHUNK):
+        yield items[start : start + _SQL_CHUNK]
+
+
+def _placeholders(items: Sequence[object]) -> str:
+    return ",".join("?" * len(items))
+
+
+def _storage_error(error: sqlite3.Error) -> TactmemError:
+    """Map a SQLite failure to the one TactmemError a user should see."""
+    name = getattr(error, "sqlite_errorname", "") or ""
+    if name == "SQLITE_FULL":
+        return DatabaseCapacity()
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+        return StoreBusy()
+    if name in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
+        return StorageError("memory database file is not a SQLite database or is damaged")
+    if name.startswith("SQLITE_READONLY"):
+        return StorageError("memory database is read-only")
+    if name.startswith("SQLITE_CANTOPEN"):
+        return StorageError("could not open the memory database file")
+    return StorageError(f"memory storage operation failed ({name or type(error).__name__})")
+
+
+def _prepare_file(path: str) -> None:
+    """Create a missing parent directory 0700 and a missing database file 0600."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        if not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+            os.chmod(parent, 0o700)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(descriptor)
+    except FileExistsError:
+        pass
+    except OSError:
+        raise StorageError("could not prepare the memory directory") from None
+
+
+class Store:
+    """The memory store at one SQLite file. Thread-safe; nothing touches disk until first use.
+
+    Each operation is one `BEGIN IMMEDIATE` transaction on a connection kept open for the
+    life of the store. Token statistics are cached per (id, version) and refreshed only when
+    the file changed (`PRAGMA data_version`) or this store wrote content.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, limits: Limits = Limits()) -> None:
+        self.path = os.path.expanduser(os.fspath(path))
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._connection: sqlite3.Connection | None = None
+        self._corpus = _Corpus()
+        self._data_version = -1
+        self._stale = True
+
+    def __repr__(self) -> str:
+        return f"Store({self.path!r}, limits={self.limits!r})"
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection; the next operation opens it again."""
+        with self._lock:
+            if self._connection is not None:
+                self._connection.close()
+                self._connection = None
+            self._stale = True
+
+    # -------------------------------------------------------------------- operations
+
+    def scan(self, query: str, *, limit: int = 5, now_ms: int | None = None) -> ScanResult:
+        """Rank visible records; only the returned candidates get scan telemetry."""
+        if _utf8_length(query, "query") > self.limits.query_bytes:
+            raise QueryTooLarge(self.limits.query_bytes)
+        now = _now_ms() if now_ms is None else now_ms
+        terms = _query_terms(query)
+        with self._transaction() as connection:
+            self._prune(connection, now)
+            self._sync(connection)
+            ranked = self._corpus.rank(terms, max(0, min(limit, self.limits.scan_results)))
+            candidates = tuple(
+                Candidate(
+                    Key(doc_id, self._corpus.versions[doc_id]),
+                    preview(self._corpus.contents[doc_id]),
+                    score,
+                )
+                for doc_id, score in ranked
+            )
+            connection.executemany(
+                "UPDATE memories SET last_scanned_at_ms = ?, scan_count = scan_count + 1"
+                " WHERE id = ?",
+                [(now, doc_id) for doc_id, _ in ranked],
+            )
+        return ScanResult(not candidates, candidates)
+
+    def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
+        """Full records in input order, de-duplicated, missing ones omitted; marks them used."""
+        now = _now_ms() if now_ms is None else now_ms
+        wanted = [doc_id for doc_id in dict.fromkeys(ids) if 0 < doc_id <= MAX_SQL_INT]
+        with self._transaction() as connection:
+            self._prune(connection, now)
+            found: dict[int, Record] = {}
+            for chunk in _chunks(wanted):
+                for row in connection.execute(
+                    f"SELECT {_RECORD_COLUMNS} FROM memories WHERE id IN ({_placeholders(chunk)})",
+                    chunk,
+                ):
+                    record = Record.from_row(row)
+                    if find_secret(record.content) is None:
+                        found[record.key.id] = attrs.evolve(
+                            record,
+                            last_used_at_ms=now,
+                            use_count=record.use_count + 1,
+                            probation_until_ms=None,
+                        )
+            connection.executemany(
+                "UPDATE memories SET last_used_at_ms = ?, use_count = use_count + 1,"
+                " probation_until_ms = NULL WHERE id = ?",
+                [(now, doc_id) for doc_id in found],
+            )
+        return tuple(found[doc_id] for doc_id in wanted if doc_id in found)
+
+    def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
+        """Add a conclusion, or replace the record at `replace` if its version still matches."""
+        identity, size = _validate_content(content, self.limits)
+        now = _now_ms() if now_ms is None else now_ms
+        probation = _probation_end(now, self.limits)
+        with self._transaction() as connection:
+            self._prune(connection, now)
+            rows, total = connection.execute(
+                "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0) FROM memories"
+            ).fetchone()
+            duplicate = connection.execute(
+                "SELECT id FROM memories WHERE normalized_identity = ?", (identity,)
+            ).fetchone()
+            if replace is None:
+                if duplicate is not None:
+                    raise Duplicate()
+                _check_insert(rows, total, size, self.limits)
+                (doc_id,) = connection.execute(
+                    "SELECT MAX((SELECT COALESCE(MAX(next_id), 1) FROM memory_metadata),"
+                    " (SELECT COALESCE(MAX(id), 0) + 1 FROM memories))"
+                ).fetchone()
+                connection.execute(
+                    "INSERT INTO memories (id, content, normalized_identity, created_at_ms,"
+                    " updated_at_ms, probation_until_ms, version) VALUES (?, ?, ?, ?, ?, ?, 1)",
+                    (doc_id, content, identity, now, now, probation),
+                )
+                key = Key(doc_id, 1)
+                created = now
+            else:
+                current = None
+                if 0 < replace.id <= MAX_SQL_INT:
+                    current = connection.execute(
+                        "SELECT version, created_at_ms, length(CAST(content AS BLOB))"
+                        " FROM memories WHERE id = ?",
+                        (replace.id,),
+                    ).fetchone()
+                if current is None:
+                    raise NotFound()
+                version, created, old_size = current
+                if version != replace.version or version >= MAX_SQL_INT:
+                    raise Conflict()
+                if duplicate is not None and duplicate[0] != replace.id:
+                    raise Duplicate()
+                _check_replace(total, old_size, size, self.limits)
+                connection.execute(
+                    "UPDATE memories SET content = ?, normalized_identity = ?, updated_at_ms = ?,"
+                    " last_scanned_at_ms = NULL, scan_count = 0, last_used_at_ms = NULL,"
+                    " use_count = 0, probation_until_ms = ?, version = ?"
+                    " WHERE id = ? AND version = ?",
+                    (content, identity, now, probation, version + 1, replace.id, version),
+                )
+                key = Key(replace.id, version + 1)
+            self._stale = True
+        return Record(key, content, created, now, None, 0, None, 0, probation)
+
+    def delete(self, key: Key, *, now_ms: int | None = None) -> None:
+        """Remove the record at `key` if its version still matches. Never prunes."""
+        del now_ms  # delete records no time; the parameter keeps the API uniform
+        with self._transaction() as connection:
+            current = None
+            if 0 < key.id <= MAX_SQL_INT:
+                current = connection.execute(
+                    "SELECT version FROM memories WHERE id = ?", (key.id,)
+                ).fetchone()
+            if current is None:
+                raise NotFound()
+            if current[0] != key.version:
+                raise Conflict()
+            connection.execute("DELETE FROM memories WHERE id = ?", (key.id,))
+            self._stale = True
+
+    def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]:
+        """Every visible record by id, without telemetry. Expired probation is pruned first."""
+        now = _now_ms() if now_ms is None else now_ms
+        with self._transaction() as connection:
+            self._prune(connection, now)
+            rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
+            records = [Record.from_row(row) for row in rows]
+        return tuple(record for record in records if find_secret(record.content) is None)
+
+    def _stats(self, *, now_ms: int | None = None) -> dict[str, Any]:
+        """Usage against every bound (for `tactmem stats`); prunes like `list`."""
+        now = _now_ms() if now_ms is None else now_ms
+        with self._transaction() as connection:
+            self._prune(connection, now)
+            rows = connection.execute("SELECT content, probation_until_ms FROM memories").fetchall()
+            page_count, page_size = (
+                connection.execute(f"PRAGMA {name}").fetchone()[0]
+                for name in ("page_count", "page_size")
+            )
+        sizes = {
+            suffix: os.path.getsize(self.path + suffix)
+            for suffix in ("", "-journal", "-wal", "-shm")
+            if os.path.exists(self.path + suffix)
+        }
+        return {
+            "path": self.path,
+            "records": len(rows),
+            "hidden_records": sum(find_secret(content) is not None for content, _ in rows),
+            "probation_records": sum(until is not None for _, until in rows),
+            "content_bytes": sum(len(content.encode("utf-8")) for content, _ in rows),
+            "database_bytes": page_count * page_size,
+            "file_bytes": sizes,
+            "limits": attrs.asdict(self.limits),
+        }
+
+    # -------------------------------------------------------------------- plumbing
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One `BEGIN IMMEDIATE` ... `COMMIT`; any failure rolls everything back."""
+        with self._lock:
+            try:
+                connection = self._connect()
+                connection.execute("BEGIN IMMEDIATE")
+                try:
+                    yield connection
+                    connection.execute("COMMIT")
+                except BaseException:
+                    self._stale = True
+                    if connection.in_transaction:  # SQLITE_FULL may have rolled back already
+                        connection.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as error:
+                raise _storage_error(error) from None
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._connection is not None:
+            return self._connection
+        _prepare_file(self.path)
+        connection = sqlite3.connect(
+            self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
+        try:
+            (found,) = connection.execute("PRAGMA user_version").fetchone()
+            if found not in (0, SCHEMA_VERSION):
+                raise UnsupportedSchema(found)
+            connection.execute("PRAGMA journal_mode = DELETE")
+            connection.execute(f"PRAGMA page_size = {PAGE_SIZE_BYTES}")
+            (page_size,) = connection.execute("PRAGMA page_size").fetchone()
+            connection.execute(f"PRAGMA max_page_count = {_max_pages(self.limits, page_size)}")
+            connection.execute("PRAGMA secure_delete = ON")
+            connection.execute("BEGIN IMMEDIATE")
+            for statement in _SCHEMA:
+                connection.execute(statement)
+            if found == 0:
+                connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            connection.execute("COMMIT")
+        except BaseException:
+            connection.close()
+            raise
+        self._connection = connection
+        self._stale = True
+        return connection
+
+    def _prune(self, connection: sqlite3.Connection, now_ms: int) -> None:
+        if connection.execute(_PRUNE, (now_ms,)).rowcount:
+            self._stale = True
+
+    def _sync(self, connection: sqlite3.Connection) -> None:
+        """Bring the token statistics up to date with the rows, touching only what changed."""
+        (data_version,) = connection.execute("PRAGMA data_version").fetchone()
+        if not self._stale and data_version == self._data_version:
+            return
+        corpus = self._corpus
+        live = dict(connection.execute("SELECT id, version FROM memories"))
+        for doc_id, version in list(corpus.versions.items()):
+            if live.get(doc_id) != version:
+                corpus.remove(doc_id)
+        missing = [doc_id for doc_id in live if doc_id not in corpus.versions]
+        for chunk in _chunks(missing):
+            for doc_id, version, content in connection.execute(
+                f"SELECT id, version, content FROM memories WHERE id IN ({_placeholders(chunk)})",
+                chunk,
+            ):
+                corpus.add(doc_id, version, content, hidden=find_secret(content) is not None)
+        self._data_version = data_version
+        self._stale = False
+
+
+# ------------------------------------------------------------------------ command line
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line instead of exiting with a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+def _build_parser() -> _Parser:
+    common = _Parser(add_help=False)
+    common.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help="database file")
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+    )
+    parser = _Parser(
+        prog="tactmem",
+        description="A bounded, global memory of durable conclusions for coding agents.",
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"tactmem {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=summary, description=summary, parents=[common])
+
+    scan = command("scan", "rank memories against a query (at most 5 preview cards)")
+    scan.add_argument("query")
+    scan.add_argument("--limit", type=int, default=5, help="candidates, 1 to 5 (default 5)")
+    read = command("read", "show full records by id and mark them used")
+    read.add_argument("ids", metavar="ID", type=int, nargs="+")
+    put = command("put", "store a conclusion, or replace one with --replace ID@VERSION")
+    put.add_argument("content", help="the conclusion, or - to read it from stdin")
+    put.add_argument("--replace", metavar="ID@VERSION", type=_parse_key_argument)
+    delete = command("delete", "delete a record, naming the version you expect")
+    delete.add_argument("key", metavar="ID@VERSION", type=_parse_key_argument)
+    listing = command("list", "list every record without touching telemetry")
+    listing.add_argument("--sort", choices=SORT_MODES, default="useful")
+    command("stats", "show usage against every bound")
+    command("demo", "run the whole contract on a throwaway store")
+    return parser
+
+
+def _parse_key_argument(text: str) -> Key:
+    try:
+        return _parse_key(text)
+    except InvalidRequest as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _print_json(value: object) -> None:
+    print(json.dumps(value, ensure_ascii=False))
+
+
+def _print_record(record: Record, now_ms: int) -> None:
+    print(_record_heading(record, now_ms))
+    print(_visible(record.content))
+
+
+def _record_heading(record: Record, now_ms: int) -> str:
+    probation = (
+        "graduated"
+        if record.probation_until_ms is None
+        else f"probation ends in {_age(record.probation_until_ms - now_ms)}"
+        if record.probation_until_ms > now_ms
+        else "probation elapsed"
+    )
+    return (
+        f"#{record.key.id} v{record.key.version} · updated {_age(now_ms - record.updated_at_ms)}"
+        f" ago · scanned {record.scan_count}× · used {record.use_count}× · {probation}"
+    )
+
+
+def _age(duration_ms: int) -> str:
+    seconds = max(0, duration_ms) // 1000
+    for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _run(arguments: argparse.Namespace) -> int:
+    if arguments.command == "demo":
+        return _demo()
+    as_json = getattr(arguments, "json", False)
+    now = _now_ms()
+    with Store(getattr(arguments, "db", DEFAULT_DB_PATH)) as store:
+        if arguments.command == "scan":
+            if not 1 <= arguments.limit <= store.limits.scan_results:
+                raise InvalidRequest("memory scan limit must be between 1 and 5")
+            result = store.scan(arguments.query, limit=arguments.limit, now_ms=now)
+            if as_json:
+                _print_json({"operation": "scan", **_to_json(result)})
+            elif result.abstained:
+                print("no memory shares a term with the query (abstained)")
+            for candidate in () if as_json else result.candidates:
+                key, score = candidate.key, candidate.score
+                print(f"#{key.id} v{key.version}  {score:.3f}  {_one_line(candidate.preview)}")
+        elif arguments.command == "read":
+            records = store.read(arguments.ids, now_ms=now)
+            if as_json:
+                _print_json({"operation": "read", "memories": _to_json(list(records))})
+            for record in () if as_json else records:
+                _print_record(record, now)
+            if not records and not as_json:
+                print("no such memory")
+        elif arguments.command == "put":
+            content = sys.stdin.read() if arguments.content == "-" else arguments.content
+            record = store.put(content, replace=arguments.replace, now_ms=now)
+            replaced = arguments.replace is not None
+            if as_json:
+                _print_json({"operation": "put", "memory": _to_json(record), "replaced": replaced})
+            else:
+                verb = "replaced" if replaced else "stored"
+                print(f"{verb} #{record.key.id} v{record.key.version}")
+        elif arguments.command == "delete":
+            store.delete(arguments.key, now_ms=now)
+            if as_json:
+                _print_json({"operation": "delete", "id": arguments.key.id})
+            else:
+                print(f"deleted #{arguments.key.id}")
+        elif arguments.command == "list":
+            records = tuple(_sorted_records(store.list(now_ms=now), arguments.sort))
+            if as_json:
+                _print_json({"memories": _to_json(list(records))})
+            elif not records:
+                print("memory is empty")
+            for record in () if as_json else records:
+                print(_record_heading(record, now))
+                print(f"  {_one_line(preview(record.content, 160))}")
+        else:
+            stats = store._stats(now_ms=now)
+            if as_json:
+                _print_json(stats)
+            else:
+                _print_stats(stats)
+    return 0
+
+
+def _print_stats(stats: Mapping[str, Any]) -> None:
+    limits = stats["limits"]
+    print(f"database       {stats['path']}")
+    print(f"records        {stats['records']} of {limits['records']}")
+    print(f"content bytes  {stats['content_bytes']} of {limits['total_content_bytes']}")
+    print(f"database bytes {stats['database_bytes']} of {limits['database_bytes']}")
+    print(f"on probation   {stats['probation_records']}")
+    print(f"hidden         {stats['hidden_records']} (secret-shaped legacy rows)")
+    for suffix, size in stats["file_bytes"].items():
+        print(f"file{suffix or ' (main)':<11}{size} bytes")
+
+
+def _demo() -> int:
+    """Run the main job end to end on a throwaway store, printing what happens."""
+
+    def attempt(label: str, action: Callable[[], object]) -> None:
+        try:
+            action()
+        except TactmemError as error:
+            print(f"  {label}: refused [{error.code}] {error}")
+
+    with tempfile.TemporaryDirectory(prefix="tactmem-demo-") as directory:
+        path = os.path.join(directory, "memory", "v1.sqlite3")
+        print(f"A throwaway store at {path}\n")
+        with Store(path) as store:
+            print("put three conclusions:")
+            for text in (
+                "In the `ledgerline` repository, releases are tagged by CI, never by hand.",
+                "The user prefers small, reviewable commits with honest messages.",
+                "In `ledgerline`, the integration tests need `PGHOST=localhost` and port 5433.",
+            ):
+                record = store.put(text)
+                print(f"  #{record.key.id} v{record.key.version}  {text}")
+            print("\nscan 'how are ledgerline releases tagged':")
+            result = store.scan("how are ledgerline releases tagged")
+            for candidate in result.candidates:
+                print(f"  #{candidate.key.id} score {candidate.score:.3f}  {candidate.preview!r}")
+            print("\nscan 'kubernetes helm chart' (no shared term):")
+            print(f"  abstained: {store.scan('kubernetes helm chart').abstained}")
+            first = result.candidates[0].key
+            print(f"\nread #{first.id} (marks it used and ends its probation):")
+            (record,) = store.read([first.id])
+            print(f"  use_count {record.use_count}, probation_until_ms {record.probation_until_ms}")
+            replaced = store.put(
+                "In the `ledgerline` repository, releases are tagged by the release workflow.",
+                replace=first,
+            )
+            print(f"\nreplace #{first.id} at v{first.version}: now v{replaced.key.version}")
+            print("\nthe things memory refuses:")
+            stale = f"#{first.id} at stale v{first.version}"
+            attempt(f"replace {stale}", lambda: store.put("x", replace=first))
+            again = "the user PREFERS small,  reviewable commits with honest messages."
+            attempt("store a duplicate", lambda: store.put(again))
+            attempt("store a credential", lambda: store.put("The staging password = hunter22"))
+            attempt("store 2 KiB", lambda: store.put("word " * 410))
+            with Store(os.path.join(directory, "tiny.sqlite3"), limits=Limits(records=1)) as tiny:
+                tiny.put("a store with room for one record")
+                attempt("a second record in a 1-record store", lambda: tiny.put("one too many"))
+            attempt(f"delete {stale}", lambda: store.delete(first))
+            store.delete(replaced.key)
+            print(f"\ndelete #{first.id} at v{replaced.key.version}: done")
+            print(f"{len(store.list())} records left; the directory is removed on exit.")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (0 ok, 1 refused, 2 usage)."""
+    try:
+        arguments = _build_parser().parse_args(argv)
+        return _run(arguments)
+    except _UsageError as error:
+        print(f"tactmem: usage: {error} (see tactmem --help)", file=sys.stderr)
+        return 2
+    except TactmemError as error:
+        print(f"tactmem: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
