@@ -153,7 +153,7 @@ _PROVIDER_SHAPES: Final = (
     (
         "aws_secret_key",
         re.compile(
-            f"secret_?access_?key[\"']?[{_WS}]*[:=][{_WS}]*[\"']?[a-z0-9/+]{{40}}(?![a-z0-9/+])",
+            f"secret_?access_?key[\"']?[{_WS}]*[:=][{_WS}]*[\"']?[a-z0-9/+]{{40}}",
             _AI,
         ),
     ),
@@ -627,9 +627,7 @@ def _sorted_records(records: Iterable[Record], mode: str) -> list[Record]:
 def _visible(text: str) -> str:
     """Make stored text safe for a terminal: controls and bidi overrides become U+FFFD."""
     return "".join(
-        char
-        if char in "\n\t" or unicodedata.category(char) not in ("Cc", "Cf", "Cs")
-        else "\ufffd"
+        char if char in "\n\t" or unicodedata.category(char) not in ("Cc", "Cf", "Cs") else "\ufffd"
         for char in text
     )
 
