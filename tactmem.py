@@ -33,7 +33,6 @@ import os
 import re
 import sqlite3
 import sys
-import tempfile
 import threading
 import time
 import unicodedata
@@ -82,15 +81,15 @@ __all__ = [
 
 # ============================================================================ constants (pure)
 
-SCHEMA_VERSION: Final = 1
-PAGE_SIZE_BYTES: Final = 4096
-BUSY_TIMEOUT_S: Final = 5.0
-PREVIEW_BYTES: Final = 64
-MAX_SQL_INT: Final = 2**63 - 1
-BM25_K1: Final = 1.2
-BM25_B: Final = 0.75
-DEFAULT_DB_PATH: Final = os.path.join("~", ".tact", "memory", "v1.sqlite3")
-SORT_MODES: Final = ("useful", "newest", "oldest", "least")
+_SCHEMA_VERSION: Final = 1
+_PAGE_SIZE_BYTES: Final = 4096
+_BUSY_TIMEOUT_S: Final = 5.0
+_PREVIEW_BYTES: Final = 64
+_MAX_SQL_INT: Final = 2**63 - 1
+_BM25_K1: Final = 1.2
+_BM25_B: Final = 0.75
+_DEFAULT_DB_PATH: Final = os.path.join("~", ".tact", "memory", "v1.sqlite3")
+_SORT_MODES: Final = ("useful", "newest", "oldest", "least")
 
 # Unicode White_Space, which Rust's `trim` and `split_whitespace` use. Python's `str.split()`
 # also splits on U+001C..U+001F; the reference does not, and identities must agree with it.
@@ -107,11 +106,12 @@ _WORD_CHAR: Final = re.compile(f"[{_WORD_CLASS}]")
 # Runs that may hold words; non-ASCII separators and combining marks are sorted out per char.
 _MAYBE_WORD_RUN: Final = re.compile(f"[{_WORD_CLASS}\x80-\U0010ffff]+")
 _COMBINING_MARKS: Final = frozenset({"Mn", "Mc"})
-# Han, Hiragana, Katakana (with half-width forms) and Hangul: scripts written without spaces.
+# Han, Hiragana, Katakana (with half-width forms and supplements) and Hangul: scripts written
+# without spaces. The combining voicing marks U+3099..U+309A are left out: a mark is no character.
 _CJK_RUN: Final = re.compile(
-    "[\u1100-\u11ff\u3005\u3007\u3021-\u3029\u3040-\u30ff\u3130-\u318f\u31f0-\u31ff"
-    "\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f\uac00-\ud7ff\uf900-\ufaff\uff66-\uffdc"
-    "\U00020000-\U0003134f]+"
+    "[\u1100-\u11ff\u3005\u3007\u3021-\u3029\u3038-\u303b\u3040-\u3098\u309b-\u30ff"
+    "\u3130-\u318f\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f\uac00-\ud7ff"
+    "\uf900-\ufaff\uff66-\uffdc\U0001b000-\U0001b16f\U00020000-\U0003134f]+"
 )
 
 # ------------------------------------------------------------------------ secret rules
@@ -138,15 +138,16 @@ _CREDENTIAL_ASSIGNMENT: Final = re.compile(
     f"[{_WS}]*[:=][{_WS}]*[^{_WS}]",
     _AI,
 )
-# Provider shapes the reference misses (case-sensitive unless marked).
+# Provider shapes the reference misses (case-sensitive unless marked). Where a shape could be an
+# ordinary hyphenated name, group 1 is the token's body and must look random (a digit, or both
+# cases), so `xapp-frontend-service` is a name and `xapp-1-A0B1C2D3` a token.
 _PROVIDER_SHAPES: Final = (
-    ("anthropic_key", re.compile(r"(?<![A-Za-z0-9_])sk-ant-[A-Za-z0-9_-]{12}")),
-    ("google_api_key", re.compile(r"(?<![A-Za-z0-9_])AIza[A-Za-z0-9_-]{35}")),
-    ("gitlab_token", re.compile(r"(?<![A-Za-z0-9_])glpat-[A-Za-z0-9_-]{20}")),
+    ("google_api_key", re.compile(r"(?<![A-Za-z0-9_])AIza([A-Za-z0-9_-]{35})")),
+    ("gitlab_token", re.compile(r"(?<![A-Za-z0-9_])glpat-([A-Za-z0-9_-]{20})")),
     ("npm_token", re.compile(r"(?<![A-Za-z0-9_])npm_[A-Za-z0-9]{36}")),
-    ("pypi_token", re.compile(r"(?<![A-Za-z0-9_])pypi-AgE[A-Za-z0-9_-]{16}")),
-    ("huggingface_token", re.compile(r"(?<![A-Za-z0-9_])hf_[A-Za-z0-9]{30}")),
-    ("slack_app_token", re.compile(r"(?<![A-Za-z0-9_])xapp-[A-Za-z0-9-]{12}")),
+    ("pypi_token", re.compile(r"(?<![A-Za-z0-9_])pypi-AgE([A-Za-z0-9_-]{16})")),
+    ("huggingface_token", re.compile(r"(?<![A-Za-z0-9_])hf_([A-Za-z0-9]{30})")),
+    ("slack_app_token", re.compile(r"(?<![A-Za-z0-9_])xapp-([A-Za-z0-9-]{12})")),
     ("slack_webhook", re.compile(r"hooks\.slack\.com/services/T[A-Za-z0-9_]+/B[A-Za-z0-9_]+/\w")),
     ("stripe_key", re.compile(r"(?<![A-Za-z0-9_])(?:rk_live_|rk_test_|pk_live_)[A-Za-z0-9]{12}")),
     # `aws_secret_access_key = <40 chars>` and `"SecretAccessKey": "<40 chars>"` (ai name).
@@ -247,7 +248,7 @@ class Conflict(TactmemError):
 class UnsupportedSchema(TactmemError):
     code = "unsupported_schema"
 
-    def __init__(self, found: int, supported: int = SCHEMA_VERSION) -> None:
+    def __init__(self, found: int, supported: int = _SCHEMA_VERSION) -> None:
         self.found = found
         self.supported = supported
         super().__init__(
@@ -399,7 +400,7 @@ def _run_tokens(run: str) -> list[str]:
         for cjk in _CJK_RUN.findall(run):
             emit([cjk] if len(cjk) == 1 else (cjk[i : i + 2] for i in range(len(cjk) - 1)))
         for piece in _CJK_RUN.split(run):
-            if piece:
+            if any(char.isalnum() for char in piece):  # not a lone `_` or combining mark
                 emit([piece.lower()])
                 emit(_components(piece))
     return tokens
@@ -421,22 +422,22 @@ def _query_terms(query: str) -> list[str]:
 class _Corpus:
     """Token statistics of a set of documents, kept up to date one document at a time.
 
-    Hidden documents (legacy secret-shaped rows) are remembered so they are not re-checked,
-    but take no part in ranking.
+    `rows` remembers every document as it was added, hidden ones (see `_hidden`) included, so
+    an unchanged row is never looked at twice; only visible documents take part in ranking.
     """
 
     def __init__(self) -> None:
-        self.versions: dict[int, int] = {}
+        self.rows: dict[int, tuple[int, object]] = {}
         self.contents: dict[int, str] = {}
         self.term_counts: dict[int, Counter[str]] = {}
         self.lengths: dict[int, int] = {}
         self.postings: dict[str, dict[int, int]] = {}
         self.total_length = 0
 
-    def add(self, doc_id: int, version: int, content: str, *, hidden: bool = False) -> None:
+    def add(self, doc_id: int, version: int, content: object) -> None:
         self.remove(doc_id)
-        self.versions[doc_id] = version
-        if hidden:
+        self.rows[doc_id] = (version, content)
+        if not isinstance(content, str) or _hidden(content):
             return
         tokens = tokenize(content)
         counts = Counter(tokens)
@@ -448,7 +449,7 @@ class _Corpus:
             self.postings.setdefault(term, {})[doc_id] = count
 
     def remove(self, doc_id: int) -> None:
-        self.versions.pop(doc_id, None)
+        self.rows.pop(doc_id, None)
         self.contents.pop(doc_id, None)
         counts = self.term_counts.pop(doc_id, None)
         if counts is None:
@@ -479,7 +480,8 @@ class _Corpus:
             idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
             for doc_id, tf in posting.items():
                 ratio = self.lengths[doc_id] / average_length if average_length else 0.0
-                score = idf * tf * (BM25_K1 + 1) / (tf + BM25_K1 * ((1 - BM25_B) + BM25_B * ratio))
+                norm = _BM25_K1 * ((1 - _BM25_B) + _BM25_B * ratio)
+                score = idf * tf * (_BM25_K1 + 1) / (tf + norm)
                 scores[doc_id] = scores.get(doc_id, 0.0) + score
         ranked = sorted(scores.items(), key=lambda item: (-item[1], item[0]))
         return [item for item in ranked if item[1] > 0.0][:limit]
@@ -493,7 +495,7 @@ def rank(query: str, docs: Iterable[tuple[int, str]], *, limit: int = 5) -> list
     return corpus.rank(_query_terms(query), limit)
 
 
-def preview(content: str, max_bytes: int = PREVIEW_BYTES) -> str:
+def preview(content: str, max_bytes: int = _PREVIEW_BYTES) -> str:
     """The longest prefix of `content` that fits in `max_bytes` of UTF-8, never splitting a char."""
     encoded = content.encode("utf-8")
     if len(encoded) <= max_bytes:
@@ -524,6 +526,16 @@ def _credential_url(text: str) -> bool:
     return False
 
 
+def _looks_random(body: str) -> bool:
+    return any(char.isdigit() for char in body) or body.lower() != body != body.upper()
+
+
+def _provider_shape(pattern: re.Pattern[str]) -> Callable[[str], bool]:
+    return lambda text: any(
+        not pattern.groups or _looks_random(match.group(1)) for match in pattern.finditer(text)
+    )
+
+
 def _jwt(text: str) -> bool:
     for word in _WS_RUN.split(text):
         trimmed = _JWT_TRIMMED.search(word)
@@ -540,7 +552,7 @@ _SECRET_RULES: Final[tuple[tuple[str, Callable[[str], object]], ...]] = (
     ("provider_token", _PROVIDER_PREFIX.search),
     ("jwt", lambda text: "eyJ" in text and _jwt(text)),
     ("credential_assignment", _CREDENTIAL_ASSIGNMENT.search),
-    *((name, pattern.search) for name, pattern in _PROVIDER_SHAPES),
+    *((name, _provider_shape(pattern)) for name, pattern in _PROVIDER_SHAPES),
 )
 
 
@@ -550,6 +562,11 @@ def find_secret(content: str) -> str | None:
         if matches(content):
             return name
     return None
+
+
+def _hidden(content: object) -> bool:
+    """Rows no agent may see: secret-shaped content, or a non-text value from a foreign writer."""
+    return not isinstance(content, str) or find_secret(content) is not None
 
 
 def normalized_identity(content: str) -> str:
@@ -595,8 +612,50 @@ def _check_replace(content_bytes: int, old_bytes: int, new_bytes: int, limits: L
         raise ContentCapacity(limits.total_content_bytes)
 
 
+def _check_version(expected: Key, current_version: int | None) -> None:
+    """A replace or delete must name the version the record has now."""
+    if current_version is None:
+        raise NotFound()
+    if current_version != expected.version:
+        raise Conflict()
+
+
+def _plan_put(
+    size: int,
+    limits: Limits,
+    *,
+    rows: int,
+    content_bytes: int,
+    next_id: int,
+    duplicate_of: int | None,
+    replace: Key | None,
+    current: tuple[int, int] | None,
+) -> Key:
+    """Decide a put against the store's state, in the reference's order; return the new key.
+
+    `current` is the replaced row's (version, content bytes); `duplicate_of` the id of the row
+    with the same normalized identity, if any.
+    """
+    if replace is None:
+        if duplicate_of is not None:
+            raise Duplicate()
+        _check_insert(rows, content_bytes, size, limits)
+        if next_id > _MAX_SQL_INT:
+            raise DatabaseCapacity()
+        return Key(next_id, 1)
+    _check_version(replace, None if current is None else current[0])
+    assert current is not None
+    version, old_size = current
+    if version >= _MAX_SQL_INT:
+        raise Conflict()
+    if duplicate_of not in (None, replace.id):
+        raise Duplicate()
+    _check_replace(content_bytes, old_size, size, limits)
+    return Key(replace.id, version + 1)
+
+
 def _probation_end(now_ms: int, limits: Limits) -> int:
-    return min(now_ms + limits.probation_ms, MAX_SQL_INT)
+    return min(now_ms + limits.probation_ms, _MAX_SQL_INT)
 
 
 def _max_pages(limits: Limits, page_size: int) -> int:
@@ -732,6 +791,14 @@ def _storage_error(error: sqlite3.Error) -> TactmemError:
     return StorageError(f"memory storage operation failed ({name or type(error).__name__})")
 
 
+def _file_identity(path: str) -> tuple[int, int] | None:
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return (status.st_dev, status.st_ino)
+
+
 def _prepare_file(path: str) -> None:
     """Create a missing parent directory 0700 and a missing database file 0600."""
     parent = os.path.dirname(os.path.abspath(path))
@@ -761,6 +828,7 @@ class Store:
         self._lock = threading.Lock()
         self._connection: sqlite3.Connection | None = None
         self._corpus = _Corpus()
+        self._file: tuple[int, int] | None = None
         self._data_version = -1
         self._stale = True
 
@@ -795,7 +863,7 @@ class Store:
             ranked = self._corpus.rank(terms, max(0, min(limit, self.limits.scan_results)))
             candidates = tuple(
                 Candidate(
-                    Key(doc_id, self._corpus.versions[doc_id]),
+                    Key(doc_id, self._corpus.rows[doc_id][0]),
                     preview(self._corpus.contents[doc_id]),
                     score,
                 )
@@ -811,7 +879,7 @@ class Store:
     def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
         """Full records in input order, de-duplicated, missing ones omitted; marks them used."""
         now = _now_ms() if now_ms is None else now_ms
-        wanted = [doc_id for doc_id in dict.fromkeys(ids) if 0 < doc_id <= MAX_SQL_INT]
+        wanted = [doc_id for doc_id in dict.fromkeys(ids) if 0 < doc_id <= _MAX_SQL_INT]
         with self._transaction() as connection:
             self._prune(connection, now)
             found: dict[int, Record] = {}
@@ -821,7 +889,7 @@ class Store:
                     chunk,
                 ):
                     record = Record.from_row(row)
-                    if find_secret(record.content) is None:
+                    if not _hidden(record.content):
                         found[record.key.id] = attrs.evolve(
                             record,
                             last_used_at_ms=now,
@@ -842,51 +910,45 @@ class Store:
         probation = _probation_end(now, self.limits)
         with self._transaction() as connection:
             self._prune(connection, now)
-            rows, total = connection.execute(
-                "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0) FROM memories"
+            rows, content_bytes, next_id = connection.execute(
+                "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0),"
+                " MAX(COALESCE(MAX(id), 0) + 1, (SELECT MAX(next_id) FROM memory_metadata))"
+                " FROM memories"
             ).fetchone()
             duplicate = connection.execute(
                 "SELECT id FROM memories WHERE normalized_identity = ?", (identity,)
             ).fetchone()
-            if replace is None:
-                if duplicate is not None:
-                    raise Duplicate()
-                _check_insert(rows, total, size, self.limits)
-                (doc_id,) = connection.execute(
-                    "SELECT MAX((SELECT COALESCE(MAX(next_id), 1) FROM memory_metadata),"
-                    " (SELECT COALESCE(MAX(id), 0) + 1 FROM memories))"
+            current = None
+            if replace is not None and 0 < replace.id <= _MAX_SQL_INT:
+                current = connection.execute(
+                    "SELECT version, length(CAST(content AS BLOB)), created_at_ms"
+                    " FROM memories WHERE id = ?",
+                    (replace.id,),
                 ).fetchone()
+            key = _plan_put(
+                size,
+                self.limits,
+                rows=rows,
+                content_bytes=content_bytes,
+                next_id=int(next_id),
+                duplicate_of=None if duplicate is None else duplicate[0],
+                replace=replace,
+                current=None if current is None else current[:2],
+            )
+            created = now if current is None else current[2]
+            if replace is None:
                 connection.execute(
                     "INSERT INTO memories (id, content, normalized_identity, created_at_ms,"
                     " updated_at_ms, probation_until_ms, version) VALUES (?, ?, ?, ?, ?, ?, 1)",
-                    (doc_id, content, identity, now, now, probation),
+                    (key.id, content, identity, now, now, probation),
                 )
-                key = Key(doc_id, 1)
-                created = now
             else:
-                current = None
-                if 0 < replace.id <= MAX_SQL_INT:
-                    current = connection.execute(
-                        "SELECT version, created_at_ms, length(CAST(content AS BLOB))"
-                        " FROM memories WHERE id = ?",
-                        (replace.id,),
-                    ).fetchone()
-                if current is None:
-                    raise NotFound()
-                version, created, old_size = current
-                if version != replace.version or version >= MAX_SQL_INT:
-                    raise Conflict()
-                if duplicate is not None and duplicate[0] != replace.id:
-                    raise Duplicate()
-                _check_replace(total, old_size, size, self.limits)
                 connection.execute(
                     "UPDATE memories SET content = ?, normalized_identity = ?, updated_at_ms = ?,"
                     " last_scanned_at_ms = NULL, scan_count = 0, last_used_at_ms = NULL,"
-                    " use_count = 0, probation_until_ms = ?, version = ?"
-                    " WHERE id = ? AND version = ?",
-                    (content, identity, now, probation, version + 1, replace.id, version),
+                    " use_count = 0, probation_until_ms = ?, version = ? WHERE id = ?",
+                    (content, identity, now, probation, key.version, key.id),
                 )
-                key = Key(replace.id, version + 1)
             self._stale = True
         return Record(key, content, created, now, None, 0, None, 0, probation)
 
@@ -895,14 +957,11 @@ class Store:
         del now_ms  # delete records no time; the parameter keeps the API uniform
         with self._transaction() as connection:
             current = None
-            if 0 < key.id <= MAX_SQL_INT:
+            if 0 < key.id <= _MAX_SQL_INT:
                 current = connection.execute(
                     "SELECT version FROM memories WHERE id = ?", (key.id,)
                 ).fetchone()
-            if current is None:
-                raise NotFound()
-            if current[0] != key.version:
-                raise Conflict()
+            _check_version(key, None if current is None else current[0])
             connection.execute("DELETE FROM memories WHERE id = ?", (key.id,))
             self._stale = True
 
@@ -913,14 +972,16 @@ class Store:
             self._prune(connection, now)
             rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
             records = [Record.from_row(row) for row in rows]
-        return tuple(record for record in records if find_secret(record.content) is None)
+        return tuple(record for record in records if not _hidden(record.content))
 
     def _stats(self, *, now_ms: int | None = None) -> dict[str, Any]:
         """Usage against every bound (for `tactmem stats`); prunes like `list`."""
         now = _now_ms() if now_ms is None else now_ms
         with self._transaction() as connection:
             self._prune(connection, now)
-            rows = connection.execute("SELECT content, probation_until_ms FROM memories").fetchall()
+            rows = connection.execute(
+                "SELECT content, length(CAST(content AS BLOB)), probation_until_ms FROM memories"
+            ).fetchall()
             page_count, page_size = (
                 connection.execute(f"PRAGMA {name}").fetchone()[0]
                 for name in ("page_count", "page_size")
@@ -933,9 +994,9 @@ class Store:
         return {
             "path": self.path,
             "records": len(rows),
-            "hidden_records": sum(find_secret(content) is not None for content, _ in rows),
-            "probation_records": sum(until is not None for _, until in rows),
-            "content_bytes": sum(len(content.encode("utf-8")) for content, _ in rows),
+            "hidden_records": sum(_hidden(content) for content, _, _ in rows),
+            "probation_records": sum(until is not None for _, _, until in rows),
+            "content_bytes": sum(size for _, size, _ in rows),
             "database_bytes": page_count * page_size,
             "file_bytes": sizes,
             "limits": attrs.asdict(self.limits),
@@ -951,6 +1012,10 @@ class Store:
                 connection = self._connect()
                 connection.execute("BEGIN IMMEDIATE")
                 try:
+                    # Another process may have upgraded the file since this connection opened.
+                    (found,) = connection.execute("PRAGMA user_version").fetchone()
+                    if found not in (0, _SCHEMA_VERSION):
+                        raise UnsupportedSchema(found)
                     yield connection
                     connection.execute("COMMIT")
                 except BaseException:
@@ -962,31 +1027,40 @@ class Store:
                 raise _storage_error(error) from None
 
     def _connect(self) -> sqlite3.Connection:
+        """The open connection, or a new one if there is none or the file was replaced."""
         if self._connection is not None:
-            return self._connection
+            if _file_identity(self.path) == self._file:
+                return self._connection
+            self._connection.close()
+            self._connection = None
         _prepare_file(self.path)
         connection = sqlite3.connect(
-            self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+            self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
         )
         try:
+            # Read before anything can write, so a file tactmem must refuse stays as it was.
             (found,) = connection.execute("PRAGMA user_version").fetchone()
-            if found not in (0, SCHEMA_VERSION):
+            if found not in (0, _SCHEMA_VERSION):
                 raise UnsupportedSchema(found)
             connection.execute("PRAGMA journal_mode = DELETE")
-            connection.execute(f"PRAGMA page_size = {PAGE_SIZE_BYTES}")
+            connection.execute(f"PRAGMA page_size = {_PAGE_SIZE_BYTES}")
             (page_size,) = connection.execute("PRAGMA page_size").fetchone()
             connection.execute(f"PRAGMA max_page_count = {_max_pages(self.limits, page_size)}")
             connection.execute("PRAGMA secure_delete = ON")
             connection.execute("BEGIN IMMEDIATE")
+            (found,) = connection.execute("PRAGMA user_version").fetchone()
+            if found not in (0, _SCHEMA_VERSION):  # another process got there first
+                raise UnsupportedSchema(found)
             for statement in _SCHEMA:
                 connection.execute(statement)
             if found == 0:
-                connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                connection.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
             connection.execute("COMMIT")
         except BaseException:
             connection.close()
             raise
         self._connection = connection
+        self._file = _file_identity(self.path)
         self._stale = True
         return connection
 
@@ -995,22 +1069,18 @@ class Store:
             self._stale = True
 
     def _sync(self, connection: sqlite3.Connection) -> None:
-        """Bring the token statistics up to date with the rows, touching only what changed."""
+        """Bring the token statistics up to date with the rows, re-tokenizing only changes."""
         (data_version,) = connection.execute("PRAGMA data_version").fetchone()
         if not self._stale and data_version == self._data_version:
             return
         corpus = self._corpus
-        live = dict(connection.execute("SELECT id, version FROM memories"))
-        for doc_id, version in list(corpus.versions.items()):
-            if live.get(doc_id) != version:
-                corpus.remove(doc_id)
-        missing = [doc_id for doc_id in live if doc_id not in corpus.versions]
-        for chunk in _chunks(missing):
-            for doc_id, version, content in connection.execute(
-                f"SELECT id, version, content FROM memories WHERE id IN ({_placeholders(chunk)})",
-                chunk,
-            ):
-                corpus.add(doc_id, version, content, hidden=find_secret(content) is not None)
+        rows = connection.execute("SELECT id, version, content FROM memories").fetchall()
+        live = {doc_id for doc_id, _, _ in rows}
+        for doc_id in [doc_id for doc_id in corpus.rows if doc_id not in live]:
+            corpus.remove(doc_id)
+        for doc_id, version, content in rows:
+            if corpus.rows.get(doc_id) != (version, content):
+                corpus.add(doc_id, version, content)
         self._data_version = data_version
         self._stale = False
 
@@ -1048,19 +1118,35 @@ def _build_parser() -> _Parser:
 
     scan = command("scan", "rank memories against a query (at most 5 preview cards)")
     scan.add_argument("query")
-    scan.add_argument("--limit", type=int, default=5, help="candidates, 1 to 5 (default 5)")
+    scan.add_argument("--limit", type=_number, choices=range(1, 6), default=5, metavar="N")
     read = command("read", "show full records by id and mark them used")
-    read.add_argument("ids", metavar="ID", type=int, nargs="+")
+    read.add_argument("ids", metavar="ID", type=_number, nargs="+")
     put = command("put", "store a conclusion, or replace one with --replace ID@VERSION")
     put.add_argument("content", help="the conclusion, or - to read it from stdin")
     put.add_argument("--replace", metavar="ID@VERSION", type=_parse_key_argument)
     delete = command("delete", "delete a record, naming the version you expect")
     delete.add_argument("key", metavar="ID@VERSION", type=_parse_key_argument)
     listing = command("list", "list every record without touching telemetry")
-    listing.add_argument("--sort", choices=SORT_MODES, default="useful")
+    listing.add_argument("--sort", choices=_SORT_MODES, default="useful")
     command("stats", "show usage against every bound")
     command("demo", "run the whole contract on a throwaway store")
     return parser
+
+
+def _number(text: str) -> int:
+    """A plain decimal number, as ids, versions and limits are typed (not `٣`, not `1_0`)."""
+    if re.fullmatch("[0-9]{1,19}", text) is None:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text[:20]!r}")
+    return int(text)
+
+
+def _read_stdin() -> str:
+    if sys.stdin is None:
+        raise InvalidRequest("there is no standard input to read the content from")
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError:
+        raise InvalidRequest("standard input is not valid UTF-8 text") from None
 
 
 def _parse_key_argument(text: str) -> Key:
@@ -1106,10 +1192,10 @@ def _run(arguments: argparse.Namespace) -> int:
         return _demo()
     as_json = getattr(arguments, "json", False)
     now = _now_ms()
-    with Store(getattr(arguments, "db", DEFAULT_DB_PATH)) as store:
+    with Store(getattr(arguments, "db", _DEFAULT_DB_PATH)) as store:
         if arguments.command == "scan":
-            if not 1 <= arguments.limit <= store.limits.scan_results:
-                raise InvalidRequest("memory scan limit must be between 1 and 5")
+            if not arguments.query.strip():
+                raise InvalidRequest("memory scan query is empty")
             result = store.scan(arguments.query, limit=arguments.limit, now_ms=now)
             if as_json:
                 _print_json({"operation": "scan", **_to_json(result)})
@@ -1127,7 +1213,7 @@ def _run(arguments: argparse.Namespace) -> int:
             if not records and not as_json:
                 print("no such memory")
         elif arguments.command == "put":
-            content = sys.stdin.read() if arguments.content == "-" else arguments.content
+            content = _read_stdin() if arguments.content == "-" else arguments.content
             record = store.put(content, replace=arguments.replace, now_ms=now)
             replaced = arguments.replace is not None
             if as_json:
@@ -1173,6 +1259,8 @@ def _print_stats(stats: Mapping[str, Any]) -> None:
 
 def _demo() -> int:
     """Run the main job end to end on a throwaway store, printing what happens."""
+
+    import tempfile
 
     def attempt(label: str, action: Callable[[], object]) -> None:
         try:
@@ -1226,9 +1314,20 @@ def _demo() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (0 ok, 1 refused, 2 usage)."""
+    for stream in (sys.stdout, sys.stderr):  # print what a narrow terminal encoding cannot
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     try:
         arguments = _build_parser().parse_args(argv)
-        return _run(arguments)
+        status = _run(arguments)
+        sys.stdout.flush()  # inside the try, so a closed pipe is handled here
+        return status
+    except SystemExit as stop:  # --help and --version
+        return stop.code if isinstance(stop.code, int) else 0
+    except BrokenPipeError:  # `tactmem list | head`: the reader left; stop quietly
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except _UsageError as error:
         print(f"tactmem: usage: {error} (see tactmem --help)", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import re
 import shutil
 import sqlite3
 import stat
@@ -180,19 +182,23 @@ def test_bm25_repeated_query_terms_change_nothing() -> None:
 
 def test_ref22_verbose_query_finds_coherent_subsets() -> None:
     docs = [
-        (1, "The user prefers invariant-first code review with actionable defects."),
-        (2, "The user expects task scope to be explicit. Read-only requests must not edit."),
-        (3, "The ledgerline repository uses cargo-nextest for its test runner."),
+        (1, "The user prefers invariant-first code review and implementation."),
+        (2, "The user expects task scope to be followed. Read-only requests authorize no edits."),
+        (3, "An unrelated repository fact."),
     ]
     query = "user preferences code review actionable defects read only repository"
     assert {doc for doc, _ in rank(query, docs, limit=2)} == {1, 2}
 
 
-def test_ref23_commonware_storage_review() -> None:
+def test_ref23_partial_topic_match_survives_unrelated_terms() -> None:
     docs = [
-        (1, "Commonware storage review: check buffer pooling and runtime durability guarantees."),
-        (2, "Commonware networking uses authenticated p2p channels."),
-        (3, "Durability of fsync differs between ext4 and btrfs."),
+        (
+            1,
+            "For Commonware storage reviews, checkpoints are trusted and paired with their"
+            " database.",
+        ),
+        (2, "For Commonware networking reviews, peers are untrusted."),
+        (3, "Durability requires an explicit synchronization boundary."),
     ]
     query = "Commonware runtime storage buffer durability review"
     assert 1 in [doc for doc, _ in rank(query, docs)]
@@ -230,26 +236,61 @@ def test_ref25_preview(content: str, expected: str) -> None:
 # ============================================================================ secrets
 
 
-def load_cases(name: str) -> list[str]:
-    """One case per line; `#` comments and blank lines skipped; `\\n` and `\\t` escapes."""
+def load_cases(name: str) -> list[tuple[str, str]]:
+    """`(tag, case)` pairs: one case per line, after a `# [tag] ...` group header.
+
+    `#` comments and blank lines are skipped; `\\n` and `\\t` stand for newline and tab.
+    """
     lines = (HERE / "fixtures" / "secrets" / name).read_text(encoding="utf-8").splitlines()
-    cases = [
-        line.replace("\\n", "\n").replace("\\t", "\t")
-        for line in lines
-        if line.strip() and not line.startswith("#")
-    ]
-    assert len(cases) >= 20, f"{name} should hold the maintained fixture set"
+    cases, tag = [], ""
+    for line in lines:
+        if header := re.match(r"# \[([a-z_]+)\] ", line):
+            tag = header.group(1)
+        elif line.strip() and not line.startswith("#"):
+            cases.append((tag, line.replace("\\n", "\n").replace("\\t", "\t")))
+    assert len(cases) >= 50, f"{name} should hold the maintained fixture set"
     return cases
 
 
-@pytest.mark.parametrize("content", load_cases("rejected.txt"))
-def test_ref26_rejected_fixture(content: str) -> None:
+REJECTED = load_cases("rejected.txt")
+ALLOWED = [case for _, case in load_cases("allowed.txt")]
+RULE_OF_TAG = {
+    "pem": "private_key",
+    "authorization": "authorization_header",
+    "bearer": "bearer_token",
+    "url": "credential_url",
+    "prefix": "provider_token",
+    "jwt": "jwt",
+    "assign": "credential_assignment",
+    "anthropic": "provider_token",
+    "google": "google_api_key",
+    "gitlab": "gitlab_token",
+    "npm": "npm_token",
+    "pypi": "pypi_token",
+    "huggingface": "huggingface_token",
+    "slack_app": "slack_app_token",
+    "slack_webhook": "slack_webhook",
+    "stripe": "stripe_key",
+    "aws_secret": "aws_secret_key",
+    "azure": "azure_account_key",
+    "sendgrid": "sendgrid_key",
+}
+
+
+@pytest.mark.parametrize(("tag", "content"), REJECTED)
+def test_ref26_rejected_fixture_trips_its_rule(tag: str, content: str) -> None:
+    rules = dict(tactmem._SECRET_RULES)
+    assert rules[RULE_OF_TAG[tag]](content)
     assert find_secret(content) is not None
 
 
-@pytest.mark.parametrize("content", load_cases("allowed.txt"))
+@pytest.mark.parametrize("content", ALLOWED)
 def test_ref27_allowed_fixture(content: str) -> None:
     assert find_secret(content) is None
+
+
+def test_every_secret_rule_has_fixtures() -> None:
+    assert {RULE_OF_TAG[tag] for tag, _ in REJECTED} == {name for name, _ in tactmem._SECRET_RULES}
 
 
 def test_secret_rules_are_named() -> None:
@@ -259,7 +300,9 @@ def test_secret_rules_are_named() -> None:
     assert find_secret("https://user:pw@example.com/path") == "credential_url"
     assert find_secret("sk-1234567890123456") == "provider_token"
     assert find_secret("password = w") == "credential_assignment"
-    assert find_secret("key AIza" + "A" * 35) == "google_api_key"
+    assert find_secret("key AIza" + "A1" * 17 + "B") == "google_api_key"
+    assert find_secret("the xapp-frontend-service repository") is None
+    assert find_secret("xapp-1-A0B1C2D3E4F5") == "slack_app_token"
 
 
 def test_ref12_secret_is_refused_without_echo(tiny: Store) -> None:
@@ -271,14 +314,15 @@ def test_ref12_secret_is_refused_without_echo(tiny: Store) -> None:
     assert tiny.list(now_ms=1) == ()
 
 
-def test_secret_error_never_contains_content_for_any_fixture(tiny: Store) -> None:
-    for content in load_cases("rejected.txt"):
-        if len(content.encode()) > TINY.content_bytes or not content.strip():
-            continue
+def test_secret_error_never_contains_content_for_any_fixture(db: Path) -> None:
+    store = Store(db)
+    for _, content in REJECTED:
         with pytest.raises(SecretRejected) as caught:
-            tiny.put(content, now_ms=1)
-        assert content.strip() not in str(caught.value)
-        assert content.strip() not in repr(caught.value)
+            store.put(content, now_ms=1)
+        for word in content.split():
+            if len(word) >= 4:
+                assert word not in str(caught.value) and word not in repr(caught.value)
+    assert store.list(now_ms=1) == ()
 
 
 # ============================================================================ identity
@@ -680,6 +724,10 @@ def test_database_capacity_maps_sqlite_full_and_writes_nothing(db: Path) -> None
             stored += 1
     assert str(caught.value) == "memory database capacity was reached"
     assert 0 < stored < 200
+    with raw(db) as connection:
+        assert connection.execute("SELECT next_id FROM memory_metadata").fetchone() == (
+            stored + 1,
+        )
     assert len(store.list(now_ms=1)) == stored
     assert db.stat().st_size <= limits.database_bytes
     with raw(db) as connection:
@@ -688,7 +736,7 @@ def test_database_capacity_maps_sqlite_full_and_writes_nothing(db: Path) -> None
 
 
 def test_busy_store_maps_to_store_busy(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tactmem, "BUSY_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(tactmem, "_BUSY_TIMEOUT_S", 0.05)
     store = Store(db)
     store.list()
     with raw(db) as holder:
@@ -732,6 +780,137 @@ def test_scan_matches_pure_rank_over_visible_rows(db: Path) -> None:
     result = store.scan("ledgerline releases CI", now_ms=2)
     expected = rank("ledgerline releases CI", enumerate(texts, start=1))
     assert [(c.key.id, c.score) for c in result.candidates] == expected
+
+
+def test_read_prunes_at_the_inclusive_deadline(tiny: Store) -> None:
+    record = tiny.put("too late to read", now_ms=100)
+    assert tiny.read([record.key.id], now_ms=110) == ()
+    assert tiny.list(now_ms=0) == ()
+
+
+def test_scan_prunes_before_ranking(tiny: Store) -> None:
+    tiny.put("expiring fact", now_ms=100)
+    assert len(tiny.scan("fact", now_ms=109).candidates) == 1
+    assert tiny.scan("fact", now_ms=110).abstained
+
+
+def test_hidden_rows_take_no_part_in_bm25_statistics(tiny: Store, db: Path) -> None:
+    tiny.put("alpha beta", now_ms=1)
+    tiny.put("alpha gamma delta", now_ms=1)
+    insert_raw(db, "alpha password=w and many more words to change the average length")
+    scores = [(c.key.id, c.score) for c in tiny.scan("alpha", now_ms=2).candidates]
+    assert scores == rank("alpha", [(1, "alpha beta"), (2, "alpha gamma delta")])
+
+
+def test_failed_validation_touches_no_disk(db: Path) -> None:
+    store = Store(db, limits=TINY)
+    for content, error in [
+        ("   ", EmptyContent),
+        ("x" * 33, ContentTooLarge),
+        ("token=abcdef", SecretRejected),
+    ]:
+        with pytest.raises(error):
+            store.put(content, now_ms=1)
+    with pytest.raises(QueryTooLarge):
+        store.scan("q" * 17, now_ms=1)
+    assert not db.parent.exists()
+
+
+def test_scan_does_not_retokenize_the_corpus(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, other = Store(db), Store(db)
+    for i in range(20):
+        store.put(f"conclusion {i} about sqlite caching", now_ms=1)
+    store.scan("sqlite", now_ms=2)
+    calls: list[str] = []
+    real_tokenize = tactmem.tokenize
+
+    def counting_tokenize(text: str) -> list[str]:
+        calls.append(text)
+        return real_tokenize(text)
+
+    monkeypatch.setattr(tactmem, "tokenize", counting_tokenize)
+    for _ in range(5):
+        store.scan("sqlite caching", now_ms=3)
+    assert calls == ["sqlite caching"] * 5  # the query only
+    calls.clear()
+    other.put("a new conclusion from another connection", now_ms=3)
+    store.scan("conclusion", now_ms=4)
+    assert calls == ["conclusion", "a new conclusion from another connection"]
+
+
+def test_content_rewritten_without_a_version_bump_is_seen(db: Path) -> None:
+    store = Store(db)
+    store.put("postgres is the database", now_ms=1)
+    assert not store.scan("postgres", now_ms=2).abstained
+    with raw(db) as connection:  # a snapshot sync may rewrite a row and keep its version
+        connection.execute(
+            "UPDATE memories SET content = 'sqlite is the database',"
+            " normalized_identity = 'sqlite is the database' WHERE id = 1"
+        )
+    assert store.scan("postgres", now_ms=3).abstained
+    assert [c.preview for c in store.scan("sqlite", now_ms=3).candidates] == [
+        "sqlite is the database"
+    ]
+
+
+def test_newer_schema_written_while_open_is_refused(db: Path) -> None:
+    store = Store(db)
+    store.put("written at version 1", now_ms=1)
+    with raw(db) as connection:
+        connection.execute("PRAGMA user_version = 2")
+    before = db.read_bytes()
+    with pytest.raises(UnsupportedSchema):
+        store.put("must not land in a version 2 file", now_ms=2)
+    with pytest.raises(UnsupportedSchema):
+        store.scan("written", now_ms=2)
+    assert db.read_bytes() == before
+
+
+def test_replaced_or_removed_file_is_reopened(db: Path, tmp_path: Path) -> None:
+    store = Store(db)
+    store.put("old", now_ms=1)
+    backup = tmp_path / "backup.sqlite3"
+    with Store(backup) as other:
+        other.put("from backup", now_ms=1)
+    os.replace(backup, db)
+    assert [r.content for r in store.list(now_ms=2)] == ["from backup"]
+    assert [c.preview for c in store.scan("backup", now_ms=2).candidates] == ["from backup"]
+    db.unlink()
+    assert store.list(now_ms=3) == ()
+    assert store.put("fresh file", now_ms=3).key == Key(1, 1)
+
+
+def test_non_text_rows_are_hidden_but_deletable(tiny: Store, db: Path) -> None:
+    tiny.list(now_ms=0)
+    with raw(db) as connection:
+        connection.execute(
+            "INSERT INTO memories (content, normalized_identity, created_at_ms, updated_at_ms)"
+            " VALUES (X'68656c6c6f', 'hello', 0, 0)"
+        )
+    assert tiny.scan("hello", now_ms=1).abstained
+    assert tiny.read([1], now_ms=1) == ()
+    assert tiny.list(now_ms=1) == ()
+    tiny.delete(Key(1, 1))
+
+
+def test_allocator_exhaustion_is_a_capacity_error(tiny: Store, db: Path) -> None:
+    tiny.list(now_ms=0)
+    with raw(db) as connection:
+        connection.execute(
+            "INSERT INTO memories (id, content, normalized_identity, created_at_ms,"
+            " updated_at_ms) VALUES (?, 'last id', 'last id', 0, 0)",
+            (2**63 - 1,),
+        )
+    with pytest.raises(DatabaseCapacity):
+        tiny.put("no id left", now_ms=1)
+
+
+def test_max_page_count_follows_each_stores_limits(db: Path) -> None:
+    with Store(db) as big:
+        big.put("roomy", now_ms=1)
+    with Store(db, limits=Limits(database_bytes=8 * 4096)) as small:
+        small.list(now_ms=1)
+        assert small._connect().execute("PRAGMA max_page_count").fetchone() == (8,)
 
 
 # ============================================================================ core and shell
@@ -825,8 +1004,16 @@ def test_cli_stats(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["scan"], 2, "tactmem: usage: the following arguments are required: query"),
         (["frobnicate"], 2, "tactmem: usage: argument COMMAND: invalid choice"),
         (["delete", "7"], 2, "tactmem: usage: argument ID@VERSION: a memory key is written"),
-        (["read", "x"], 2, "tactmem: usage: argument ID: invalid int value"),
-        (["scan", "q", "--limit", "9"], 1, "tactmem: memory scan limit must be between 1 and 5"),
+        (["read", "x"], 2, "tactmem: usage: argument ID: expected a whole number, not 'x'"),
+        (["read", "٣"], 2, "tactmem: usage: argument ID: expected a whole number"),
+        (["read", "1_0"], 2, "tactmem: usage: argument ID: expected a whole number"),
+        (["read", "9" * 20], 2, "tactmem: usage: argument ID: expected a whole number"),
+        (["scan", "q", "--limit", "9"], 2, "tactmem: usage: argument --limit: invalid choice: 9"),
+        (["scan", "q", "--limit", "-1"], 2, "tactmem: usage: argument --limit: expected a whole"),
+        (["scan", "  "], 1, "tactmem: memory scan query is empty"),
+        (["scan", "q" * 513], 1, "tactmem: memory query exceeds the 512-byte limit"),
+        (["put", "x" * 1025], 1, "tactmem: memory content exceeds the 1024-byte limit"),
+        (["put", "ok", "--replace", "1@2"], 1, "tactmem: memory was not found"),
         (["put", "   "], 1, "tactmem: memory content is empty"),
         (["put", "password = hunter22"], 1, "tactmem: memory content was rejected"),
         (["delete", "7@1"], 1, "tactmem: memory was not found"),
@@ -878,6 +1065,37 @@ def test_cli_default_path_honours_home(
     monkeypatch.setenv("HOME", str(tmp_path))
     assert run_cli(capsys, "put", "home store")[0] == 0
     assert (tmp_path / ".tact" / "memory" / "v1.sqlite3").exists()
+
+
+def test_cli_help_and_version_return_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli(capsys, "--version")
+    assert (status, out) == (0, f"tactmem {tactmem.__version__}\n")
+    status, out, _ = run_cli(capsys, "--help")
+    assert status == 0 and "demo" in out
+
+
+def test_cli_survives_a_closed_pipe_and_a_narrow_encoding(db: Path) -> None:
+    with Store(db) as store:
+        for i in range(240):
+            store.put(f"{i} · " + "long conclusion text " * 45)
+    command = [sys.executable, "-m", "tactmem", "--db", str(db)]
+    reader = subprocess.Popen(
+        [*command, "--json", "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE
+    )
+    assert reader.stdout is not None and reader.stderr is not None
+    reader.stdout.close()  # the reader leaves at once, like `| head -0`
+    assert reader.wait() == 1
+    assert reader.stderr.read() == b""
+    ascii_only = subprocess.run(
+        [*command, "list"], capture_output=True, cwd=HERE,
+        env={**os.environ, "PYTHONIOENCODING": "ascii"},
+    )  # fmt: skip
+    assert ascii_only.returncode == 0 and ascii_only.stderr == b""
+    assert b"\\xb7" in ascii_only.stdout
+    no_stdin = subprocess.run(
+        [*command, "put", "-"], capture_output=True, text=True, cwd=HERE, stdin=subprocess.DEVNULL
+    )
+    assert (no_stdin.returncode, no_stdin.stderr) == (1, "tactmem: memory content is empty\n")
 
 
 def test_python_m_tactmem_in_a_subprocess(tmp_path: Path) -> None:
@@ -965,7 +1183,7 @@ def test_sort_modes_match_the_reference_fixture() -> None:
     records = [record(1, 100, 5), record(2, 300, 1), record(3, 200, 5), record(4, 50, 0)]
     orders = {
         mode: [r.key.id for r in tactmem._sorted_records(records, mode)]
-        for mode in tactmem.SORT_MODES
+        for mode in tactmem._SORT_MODES
     }
     assert orders == {
         "useful": [3, 1, 2, 4], "newest": [2, 3, 1, 4], "oldest": [4, 1, 3, 2],
