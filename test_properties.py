@@ -1,0 +1,919 @@
+"""Property tests for tactmem: the pure core, and `Store` against a pure model.
+
+The pure functions (`preview`, `tokenize`, `rank`, `normalized_identity`, `find_secret`, the
+bound arithmetic) are checked for the guarantees the spec makes about every input. The stateful
+machine drives a real `Store` (SQLite in a fresh temporary directory) under tiny limits, so the
+bounds, probation and version conflicts are hit all the time, and checks every outcome and the
+rows on disk against a model of the reference semantics (spec/tact-reference.md §5-8).
+
+Profiles: `ci` (derandomized, no deadline) is loaded when the CI environment variable is set;
+`dev` is a longer local run: `pytest test_properties.py --hypothesis-profile=dev`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+import shutil
+import sqlite3
+import stat
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+import tactmem
+from tactmem import (
+    Candidate,
+    Conflict,
+    ContentCapacity,
+    ContentTooLarge,
+    Duplicate,
+    EmptyContent,
+    Key,
+    Limits,
+    NotFound,
+    QueryTooLarge,
+    Record,
+    RecordCapacity,
+    ScanResult,
+    SecretRejected,
+    Store,
+    TactmemError,
+    find_secret,
+    normalized_identity,
+    preview,
+    rank,
+    tokenize,
+)
+
+# Hypothesis >= 6.131 registers and loads a built-in `ci` profile by itself when it detects CI;
+# older versions do not. Register ours explicitly either way, so the settings are the same on
+# every version, and load it whenever CI is set (as `.ci/run` does with CI=true).
+settings.register_profile(
+    "ci",
+    derandomize=True,  # the same examples on every run: a red CI is reproducible
+    deadline=None,  # CI machines are slow and noisy; timing is the benchmark's job
+    print_blob=True,  # a failure prints a blob that `@reproduce_failure` replays
+    database=None,  # a fresh clone has no example database to save or replay
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", max_examples=1000, deadline=None)
+if "CI" in os.environ:
+    settings.load_profile("ci")
+
+# Unicode White_Space (PropList.txt), which the spec uses for trimming and identity. Python's
+# str.split() and str.strip() also treat U+001C..U+001F as whitespace; the reference does not.
+WHITE_SPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008"
+    "\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+)
+_WHITE_SPACE_RUN = re.compile(f"[{re.escape(WHITE_SPACE)}]+")
+
+# ================================================================================ strategies
+
+# Plenty of multi-byte characters (2, 3 and 4 UTF-8 bytes) so byte budgets split code points.
+_multibyte_text = st.text(alphabet=st.sampled_from("aZ é ß 日本 😀\u0301"), max_size=80)
+any_text = st.one_of(st.text(), _multibyte_text)
+
+# ASCII with word characters, separators and case changes concentrated.
+_ascii_text = st.one_of(
+    st.text(alphabet=st.characters(max_codepoint=127)),
+    st.text(alphabet=st.sampled_from("aBcXyZ019_ -./'@:\n"), max_size=40),
+)
+
+_RANK_WORDS = (
+    "rust", "Rust", "sqlite", "SQLite", "httpServer", "http", "server", "parse_request",
+    "common", "rare", "数据库", "数据库连接", "café", "x", "the",
+)  # fmt: skip
+_rank_text = st.one_of(
+    st.lists(st.sampled_from(_RANK_WORDS), max_size=6).map(" ".join),
+    st.text(max_size=20),
+)
+_rank_docs = st.lists(
+    st.tuples(st.integers(min_value=1, max_value=60), _rank_text),
+    max_size=9,
+    unique_by=lambda doc: doc[0],
+)
+
+# Content that some secret rule must reject (reference §4 shapes and SPEC §2.3 additions).
+SECRETS = (
+    "password=w",
+    "private_key: w",
+    "DATABASE_PASSWORD=w",
+    "clientSecret=w",
+    "token=abcdefghijklmnop",
+    "sk-1234567890123456",
+    "GITHUB_PAT_1234567890123456",
+    "Authorization: Basic abc",
+    "Bearer abcdefghijk1234",
+    "https://user:pw@host/path",
+    "eyJhbGciOiJI.eyJzdWIiOiIx.c2lnbmF0dXJl",
+    "-----BEGIN OPENSSH PRIVATE KEY-----",
+    "sk-ant-abcdefghijkl1234",
+    "glpat-abcdefghij1234567890",
+)
+
+
+# ================================================================================ preview
+
+
+@given(text=any_text, max_bytes=st.integers(min_value=0, max_value=100))
+@example(text="a" * 63 + "é-tail", max_bytes=64)
+@example(text="x" * 62 + "日本", max_bytes=64)
+@example(text="😀", max_bytes=3)
+def test_preview_is_the_longest_utf8_prefix_within_the_budget(text: str, max_bytes: int) -> None:
+    """preview() is valid UTF-8, fits the byte budget, is a prefix, and cannot be longer."""
+    result = preview(text, max_bytes)
+    size = len(result.encode("utf-8"))  # strict: raises on a split surrogate pair
+    assert size <= max_bytes
+    assert text.startswith(result)
+    if len(text.encode("utf-8")) <= max_bytes:
+        assert result == text
+    else:
+        # The next character would break the budget, so no longer prefix fits.
+        assert len(text[: len(result) + 1].encode("utf-8")) > max_bytes
+
+
+@given(text=any_text)
+def test_preview_defaults_to_64_bytes(text: str) -> None:
+    """Without a budget, preview() uses the reference's 64 bytes."""
+    assert preview(text) == preview(text, 64)
+
+
+# ================================================================================ tokenize
+
+
+def _camel_pieces(piece: str) -> list[str]:
+    """Reference §1.2b: split before an upper-case char after a lower-case char or a digit."""
+    parts: list[str] = []
+    start = 0
+    for index in range(1, len(piece)):
+        previous = piece[index - 1]
+        if piece[index].isupper() and (previous.islower() or previous in "0123456789"):
+            parts.append(piece[start:index])
+            start = index
+    parts.append(piece[start:])
+    return parts
+
+
+def reference_ascii_tokens(text: str) -> list[str]:
+    """The reference tokenizer (§1), written out for ASCII text, where it is unambiguous."""
+    tokens: list[str] = []
+    for run in re.findall(r"[A-Za-z0-9_]+", text):
+        whole = run.lower()
+        tokens.append(whole)
+        emitted = {whole}  # components de-duplicate per run only
+        for piece in run.split("_"):
+            if not piece:
+                continue
+            for component in _camel_pieces(piece):
+                lowered = component.lower()
+                if lowered not in emitted:
+                    emitted.add(lowered)
+                    tokens.append(lowered)
+    return tokens
+
+
+@given(text=any_text)
+def test_tokenize_is_deterministic_and_yields_no_empty_or_spaced_token(text: str) -> None:
+    """Same text, same tokens; no token is empty or holds whitespace."""
+    tokens = tokenize(text)
+    assert tokens == tokenize(text)
+    for token in tokens:
+        assert token
+        assert not any(char.isspace() for char in token)
+
+
+@given(first=any_text, second=any_text)
+def test_tokenize_works_run_by_run(first: str, second: str) -> None:
+    """Tokens come from each whitespace-separated run alone (de-dup is per run, not per text)."""
+    assert tokenize(first + " " + second) == tokenize(first) + tokenize(second)
+
+
+@given(text=_ascii_text)
+@example(text="src/core/httpServer.rs parse_request")
+@example(text="HTTPServer parseHTTP2Request v2Api")
+@example(text="__init__ _ a_b_ XMLHttpRequest")
+@example(text="getHTTPResponseCode iOS12App a1B2c3 camelCase camelCase")
+@example(text="foo.bar@baz 3.14 x86_64 Don't read-only")
+def test_tokenize_matches_the_reference_on_ascii(text: str) -> None:
+    """On ASCII text tokenize() is exactly the reference tokenizer (SPEC §2.2: the CJK and
+    combining-mark additions cannot fire), so every token is lowercase [a-z0-9_]."""
+    tokens = tokenize(text)
+    assert tokens == reference_ascii_tokens(text)
+    assert all(token == token.lower() and re.fullmatch(r"[a-z0-9_]+", token) for token in tokens)
+
+
+@given(text=_ascii_text)
+@example(text="A1B")
+@example(text="camelCase")
+def test_tokenize_case_insensitivity_that_actually_holds(text: str) -> None:
+    """What case-insensitivity the tokenizer really guarantees (ASCII, to avoid Unicode case
+    mappings such as ß -> SS that change the text itself):
+
+    * tokenize(s) == tokenize(s.swapcase()) is NOT a guarantee: camel-case splitting reads the
+      case (`camelCase` -> camel, case; `CAMELcASE` -> camelc, ase), and so does the rule that
+      an upper-case letter after a digit starts a component (`A1B` -> a1, b; `a1b` stays whole).
+    * Every word's whole run, lowercased, is a token whatever its case, so a query word matches
+      a document word in any casing (the property search relies on).
+    * Text with one case and no digits cannot split on case, so both cases tokenize alike.
+    """
+    for variant in (text, text.lower(), text.upper(), text.swapcase()):
+        tokens = set(tokenize(variant))
+        for run in re.findall(r"[A-Za-z0-9_]+", text):
+            assert run.lower() in tokens
+    without_digits = re.sub("[0-9]", "", text)
+    assert tokenize(without_digits.lower()) == tokenize(without_digits.upper())
+
+
+# ================================================================================ rank
+
+
+def reference_bm25(query: str, docs: Sequence[tuple[int, str]]) -> dict[int, float]:
+    """BM25 of reference §2 (k1 1.2, b 0.75, plus-one idf) over tactmem's own tokenize()."""
+    terms = sorted(set(tokenize(query)))
+    doc_tokens = {doc_id: tokenize(text) for doc_id, text in docs}
+    if not docs or not terms:
+        return {}
+    average = sum(len(tokens) for tokens in doc_tokens.values()) / len(docs)
+    scores: dict[int, float] = {}
+    for doc_id, tokens in doc_tokens.items():
+        score = 0.0
+        for term in terms:
+            tf = tokens.count(term)
+            if tf == 0:
+                continue
+            df = sum(term in other for other in doc_tokens.values())
+            idf = math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))
+            ratio = len(tokens) / average if average else 0.0
+            score += ((idf * tf) * 2.2) / (tf + 1.2 * ((1 - 0.75) + 0.75 * ratio))
+        if score > 0.0:
+            scores[doc_id] = score
+    return scores
+
+
+@given(query=_rank_text, docs=_rank_docs, limit=st.integers(min_value=0, max_value=12))
+def test_rank_orders_matching_docs_best_first(
+    query: str, docs: list[tuple[int, str]], limit: int
+) -> None:
+    """At most `limit` results; each shares a query term, scores > 0, best first, ties by id."""
+    ranked = rank(query, docs, limit=limit)
+    assert len(ranked) <= limit
+    query_terms = set(tokenize(query))
+    texts = dict(docs)
+    assert len({doc_id for doc_id, _ in ranked}) == len(ranked)
+    for doc_id, score in ranked:
+        assert query_terms & set(tokenize(texts[doc_id]))
+        assert score > 0.0
+    for (first_id, first_score), (second_id, second_score) in itertools.pairwise(ranked):
+        assert first_score > second_score or (first_score == second_score and first_id < second_id)
+
+
+@given(query=_rank_text, docs=_rank_docs, data=st.data())
+def test_rank_ignores_document_order(
+    query: str, docs: list[tuple[int, str]], data: st.DataObject
+) -> None:
+    """Shuffling the documents changes nothing, not even a float's last bit."""
+    shuffled = data.draw(st.permutations(docs), label="shuffled")
+    assert rank(query, shuffled, limit=len(docs)) == rank(query, docs, limit=len(docs))
+
+
+@given(query=_rank_text, docs=_rank_docs, limit=st.integers(min_value=0, max_value=12))
+def test_rank_is_complete_bm25_and_truncates_to_a_prefix(
+    query: str, docs: list[tuple[int, str]], limit: int
+) -> None:
+    """With room for all, rank() returns every doc sharing a term with the reference's BM25
+    score; a smaller limit returns a prefix of that list."""
+    everything = rank(query, docs, limit=len(docs))
+    expected = reference_bm25(query, docs)
+    assert {doc_id for doc_id, _ in everything} == set(expected)
+    for doc_id, score in everything:
+        assert math.isclose(score, expected[doc_id], rel_tol=1e-12)
+    assert rank(query, docs, limit=limit) == everything[:limit]
+
+
+@given(query=_rank_text, docs=_rank_docs)
+def test_rank_treats_the_query_as_a_set_of_terms(query: str, docs: list[tuple[int, str]]) -> None:
+    """Repeating the query (or any term in it) changes no score."""
+    assert rank(query + " " + query, docs, limit=len(docs)) == rank(query, docs, limit=len(docs))
+
+
+# ================================================================================ identity
+
+
+_words = st.text(
+    alphabet=st.characters(exclude_categories=("Cs", "Zs", "Zl", "Zp", "Cc")), min_size=1
+)
+_separators = st.text(alphabet=st.sampled_from(WHITE_SPACE), min_size=1, max_size=4)
+
+
+@given(text=any_text)
+def test_normalized_identity_is_idempotent(text: str) -> None:
+    """Normalizing twice changes nothing."""
+    once = normalized_identity(text)
+    assert normalized_identity(once) == once
+
+
+@given(text=st.one_of(any_text, st.text(alphabet=st.sampled_from("ab \x1c\x1f\u3000"))))
+@example(text="Remember  SQLite")
+@example(text="a\x1cb")
+def test_normalized_identity_is_lowercased_white_space_words(text: str) -> None:
+    """Split on Unicode White_Space, lowercase each word, join with one space (reference §5)."""
+    words = [word.lower() for word in _WHITE_SPACE_RUN.split(text) if word]
+    assert normalized_identity(text) == " ".join(words)
+
+
+@given(words=st.lists(_words, min_size=1, max_size=5), data=st.data())
+def test_normalized_identity_ignores_whitespace_runs(words: list[str], data: st.DataObject) -> None:
+    """Any run of White_Space between, before or after the words is one space or nothing."""
+    separators = data.draw(st.lists(_separators, min_size=len(words) + 1, max_size=len(words) + 1))
+    spaced = separators[0] + "".join(
+        word + sep for word, sep in zip(words, separators[1:], strict=True)
+    )
+    assert normalized_identity(spaced) == normalized_identity(" ".join(words))
+
+
+@given(text=any_text)
+@example(text="Remember SQLite")
+def test_normalized_identity_ignores_case(text: str) -> None:
+    """Lower- and upper-case spellings of the same ASCII text are one identity; for any text,
+    lowercasing it first changes nothing. (Full Unicode upper-casing can change the text itself,
+    e.g. ß -> SS, so `identity(s.upper()) == identity(s)` is only promised for ASCII.)"""
+    assert normalized_identity(text.lower()) == normalized_identity(text)
+    ascii_text = text.encode("ascii", "ignore").decode("ascii")
+    identity = normalized_identity(ascii_text)
+    assert normalized_identity(ascii_text.upper()) == identity
+    assert normalized_identity(ascii_text.swapcase()) == identity
+
+
+# ================================================================================ secrets
+
+
+@given(
+    secret=st.sampled_from(SECRETS),
+    before=st.text(max_size=30),
+    after=st.text(max_size=30),
+)
+def test_context_never_hides_a_secret(secret: str, before: str, after: str) -> None:
+    """A secret-shaped line is found whatever text surrounds it on other lines, and the
+    result names a rule without echoing the secret."""
+    rule = find_secret(before + "\n" + secret + "\n" + after)
+    assert rule is not None
+    assert secret not in rule
+
+
+@given(text=any_text)
+def test_find_secret_names_a_rule_never_the_match(text: str) -> None:
+    """find_secret() returns None or a short rule name, never content that differs per input."""
+    rule = find_secret(text)
+    assert rule is None or re.fullmatch(r"[a-z][a-z0-9_]*", rule)
+
+
+# ================================================================================ bounds
+
+
+_small_limits = st.builds(
+    Limits,
+    records=st.integers(min_value=1, max_value=8),
+    total_content_bytes=st.integers(min_value=1, max_value=200),
+)
+_amounts = st.integers(min_value=0, max_value=300)
+
+
+@given(limits=_small_limits, rows=_amounts, content_bytes=_amounts, new_bytes=_amounts)
+def test_check_insert_admits_exactly_the_states_within_the_limits(
+    limits: Limits, rows: int, content_bytes: int, new_bytes: int
+) -> None:
+    """An insert passes iff one more row and its bytes still fit; the row bound is checked
+    first (reference §5 order)."""
+    fits_rows = rows + 1 <= limits.records
+    fits_bytes = content_bytes + new_bytes <= limits.total_content_bytes
+    try:
+        tactmem._check_insert(rows, content_bytes, new_bytes, limits)
+    except RecordCapacity as error:
+        assert not fits_rows
+        assert str(error) == f"memory record capacity of {limits.records} was reached"
+    except ContentCapacity as error:
+        assert fits_rows and not fits_bytes
+        assert str(error) == (
+            f"memory content capacity of {limits.total_content_bytes} bytes was reached"
+        )
+    else:
+        assert fits_rows and fits_bytes
+
+
+@given(limits=_small_limits, content_bytes=_amounts, old_bytes=_amounts, new_bytes=_amounts)
+def test_check_replace_admits_exactly_the_states_within_the_limits(
+    limits: Limits, content_bytes: int, old_bytes: int, new_bytes: int
+) -> None:
+    """A replace passes iff the total with the old bytes swapped for the new still fits;
+    it never checks the row count."""
+    fits = content_bytes - old_bytes + new_bytes <= limits.total_content_bytes
+    try:
+        tactmem._check_replace(content_bytes, old_bytes, new_bytes, limits)
+    except ContentCapacity:
+        assert not fits
+    else:
+        assert fits
+
+
+# ================================================================================ store vs model
+
+TINY = Limits(
+    content_bytes=48,
+    records=4,
+    total_content_bytes=120,
+    scan_results=2,
+    query_bytes=32,
+    probation_ms=10,
+)
+START_MS = 1000
+
+# A small vocabulary: duplicates (by case and spacing), scan hits and both capacities are common.
+# Eight token groups only (case variants tokenize alike), so most rows share a term.
+_STORE_WORDS = (
+    "rust", "Rust", "RUST", "sqlite", "SQLite", "parse_request", "httpServer", "数据库",
+    "数据库连接", "café", "x",
+)  # fmt: skip
+_STORE_SEPARATORS = st.sampled_from([" ", " ", " ", "  ", "\n", "\t", "\xa0", "\u3000"])
+_STORE_SECRETS = (
+    "password=w",
+    "token=abcdefghijklmnop",
+    "sk-1234567890123456",
+    "rust Bearer abcdefghijk1234",
+    "https://user:pw@host/x",
+)
+
+
+@st.composite
+def word_contents(draw: st.DrawFn) -> str:
+    """A few vocabulary words with varied whitespace: duplicates by case and spacing, scan
+    hits and the record bound are frequent."""
+    words = draw(st.lists(st.sampled_from(_STORE_WORDS), min_size=1, max_size=5))
+    text = words[0]
+    for word in words[1:]:
+        text += draw(_STORE_SEPARATORS) + word
+    if draw(st.booleans()):
+        text = draw(_STORE_SEPARATORS) + text + draw(_STORE_SEPARATORS)
+    return text
+
+
+@st.composite
+def edge_contents(draw: st.DrawFn) -> str:
+    """Blank, secret-shaped, or large: 30 to 50 bytes (the bound is 48), so a few of them
+    exhaust the 120-byte content budget."""
+    kind = draw(st.sampled_from(["blank", "secret", "large", "large", "large"]), label="kind")
+    if kind == "blank":
+        return draw(st.sampled_from(["", " ", "\n\t", "\u3000", "\xa0 \xa0"]))
+    if kind == "secret":
+        return draw(st.sampled_from(_STORE_SECRETS))
+    word = draw(st.sampled_from(["rust", "sqlite", "数据库", "é"]))
+    target = draw(st.integers(min_value=30, max_value=50), label="bytes")
+    return word + " " + "y" * max(0, target - utf8_size(word) - 1)
+
+
+agents = st.sampled_from([0, 1])  # which of the two stores on the file does the operation
+
+_store_queries = st.one_of(
+    st.lists(st.sampled_from(_STORE_WORDS), min_size=1, max_size=2).map(" ".join),
+    st.lists(st.sampled_from(_STORE_WORDS), min_size=1, max_size=2).map(" ".join),
+    st.lists(st.sampled_from(_STORE_WORDS), min_size=1, max_size=2).map(" ".join),
+    # no terms, no overlap, a hidden secret's value, CJK, and 33 to 35 bytes (bound: 32)
+    st.sampled_from(["", "no-overlap", "w", "数据库", "sqlite " * 5, "é" * 17, "z" * 32]),
+)
+
+
+@attrs.frozen
+class Fails:
+    """The model's prediction that an operation raises this error (and changes nothing)."""
+
+    error: type[TactmemError]
+
+
+def expected_message(error: type[TactmemError], limits: Limits) -> str:
+    """The reference's wording (§5) for each error the store can raise here."""
+    messages: dict[type[TactmemError], str] = {
+        EmptyContent: "memory content is empty",
+        ContentTooLarge: f"memory content exceeds the {limits.content_bytes}-byte limit",
+        QueryTooLarge: f"memory query exceeds the {limits.query_bytes}-byte limit",
+        RecordCapacity: f"memory record capacity of {limits.records} was reached",
+        ContentCapacity: (
+            f"memory content capacity of {limits.total_content_bytes} bytes was reached"
+        ),
+        SecretRejected: "memory content was rejected as a likely secret",
+        Duplicate: "an equivalent memory already exists",
+        NotFound: "memory was not found",
+        Conflict: "memory changed since it was read",
+    }
+    return messages[error]
+
+
+def utf8_size(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+@attrs.define
+class Model:
+    """The reference semantics (§5-8) over a dict of rows. Every method returns the predicted
+    outcome and changes the model only when the operation succeeds, as the store must.
+
+    `rows` mirrors the table exactly, expired probation rows included until an operation that
+    prunes runs. The model trusts tactmem's pure functions (rank, preview, find_secret,
+    normalized_identity): they have their own properties above.
+    """
+
+    limits: Limits
+    now: int = START_MS
+    rows: dict[int, Record] = attrs.Factory(dict)
+    last_id: int = 0  # the highest id ever allocated; ids are never reused (SPEC §2.1)
+
+    def pruned(self) -> dict[int, Record]:
+        """The rows left after §7's prune at `now`."""
+        return {
+            doc_id: row
+            for doc_id, row in self.rows.items()
+            if not (
+                row.probation_until_ms is not None
+                and row.probation_until_ms <= self.now
+                and row.use_count == 0
+            )
+        }
+
+    @staticmethod
+    def visible(row: Record) -> bool:
+        return find_secret(row.content) is None
+
+    def put(self, content: str, replace: Key | None) -> Record | Fails:
+        if not content.strip(WHITE_SPACE):
+            return Fails(EmptyContent)
+        if utf8_size(content) > self.limits.content_bytes:
+            return Fails(ContentTooLarge)
+        if find_secret(content) is not None:
+            return Fails(SecretRejected)
+        rows = self.pruned()
+        identity = normalized_identity(content)
+        total = sum(utf8_size(row.content) for row in rows.values())
+        probation = self.now + self.limits.probation_ms
+        if replace is None:
+            if any(normalized_identity(row.content) == identity for row in rows.values()):
+                return Fails(Duplicate)
+            if len(rows) >= self.limits.records:
+                return Fails(RecordCapacity)
+            if total + utf8_size(content) > self.limits.total_content_bytes:
+                return Fails(ContentCapacity)
+            self.last_id += 1
+            key = Key(self.last_id, 1)
+            created = self.now
+        else:
+            old = rows.get(replace.id)
+            if old is None:
+                return Fails(NotFound)
+            if old.key.version != replace.version:
+                return Fails(Conflict)
+            if any(
+                normalized_identity(row.content) == identity
+                for doc_id, row in rows.items()
+                if doc_id != replace.id
+            ):
+                return Fails(Duplicate)
+            if total - utf8_size(old.content) + utf8_size(content) > (
+                self.limits.total_content_bytes
+            ):
+                return Fails(ContentCapacity)
+            key = Key(replace.id, replace.version + 1)
+            created = old.created_at_ms
+        record = Record(
+            key=key,
+            content=content,
+            created_at_ms=created,
+            updated_at_ms=self.now,
+            last_scanned_at_ms=None,
+            scan_count=0,
+            last_used_at_ms=None,
+            use_count=0,
+            probation_until_ms=probation,
+        )
+        rows[key.id] = record
+        self.rows = rows
+        return record
+
+    def delete(self, key: Key) -> Fails | None:
+        row = self.rows.get(key.id)  # delete never prunes
+        if row is None:
+            return Fails(NotFound)
+        if row.key.version != key.version:
+            return Fails(Conflict)
+        del self.rows[key.id]
+        return None
+
+    def scan(self, query: str, limit: int) -> ScanResult | Fails:
+        if utf8_size(query) > self.limits.query_bytes:
+            return Fails(QueryTooLarge)
+        rows = self.pruned()
+        docs = [(doc_id, row.content) for doc_id, row in rows.items() if self.visible(row)]
+        ranked = rank(query, docs, limit=min(limit, self.limits.scan_results))
+        candidates = tuple(
+            Candidate(key=rows[doc_id].key, preview=preview(rows[doc_id].content), score=score)
+            for doc_id, score in ranked
+        )
+        for doc_id, _ in ranked:
+            rows[doc_id] = attrs.evolve(
+                rows[doc_id], scan_count=rows[doc_id].scan_count + 1, last_scanned_at_ms=self.now
+            )
+        self.rows = rows
+        return ScanResult(abstained=not candidates, candidates=candidates)
+
+    def read(self, ids: Sequence[int]) -> tuple[Record, ...]:
+        rows = self.pruned()
+        found: list[Record] = []
+        for doc_id in dict.fromkeys(ids):
+            row = rows.get(doc_id)
+            if row is not None and self.visible(row):
+                row = attrs.evolve(
+                    row,
+                    use_count=row.use_count + 1,
+                    last_used_at_ms=self.now,
+                    probation_until_ms=None,
+                )
+                rows[doc_id] = row
+                found.append(row)
+        self.rows = rows
+        return tuple(found)
+
+    def list(self) -> tuple[Record, ...]:
+        self.rows = self.pruned()
+        return tuple(row for _, row in sorted(self.rows.items()) if self.visible(row))
+
+
+def outcome(call: Callable[[], object]) -> object:
+    """The call's result, or the TactmemError it raised."""
+    try:
+        return call()
+    except TactmemError as error:
+        return error
+
+
+def assert_agree(actual: object, expected: object, limits: Limits) -> None:
+    """The store did what the model predicted: the same value, or the same error class with
+    the reference's message and a stable snake-case code."""
+    if isinstance(expected, Fails):
+        assert isinstance(actual, TactmemError), (
+            f"expected {expected.error.__name__}, got {actual!r}"
+        )
+        assert type(actual) is expected.error, f"expected {expected.error.__name__}: {actual!r}"
+        assert str(actual) == expected_message(expected.error, limits)
+        assert re.fullmatch(r"[a-z][a-z_]*", actual.code)
+    else:
+        assert not isinstance(actual, TactmemError), f"expected {expected!r}, raised {actual!r}"
+        assert actual == expected
+
+
+RECORD_COLUMNS = (
+    "id, version, content, created_at_ms, updated_at_ms, last_scanned_at_ms, scan_count,"
+    " last_used_at_ms, use_count, probation_until_ms"
+)
+
+
+class StoreMatchesModel(RuleBasedStateMachine):
+    """Two Stores on one file (two agent processes, each with its own connection and caches)
+    against one Model: every operation through either must agree with the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.directory = tempfile.mkdtemp(prefix="tactmem-properties-")
+        self.path = os.path.join(self.directory, "memory", "v1.sqlite3")
+        self.stores = [Store(self.path, limits=TINY), Store(self.path, limits=TINY)]
+        self.model = Model(TINY)
+        assert not os.path.exists(self.path), "Store() must not touch disk"
+
+    def teardown(self) -> None:
+        for store in self.stores:
+            store.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    # -------------------------------------------------------------------- helpers
+
+    def key(self, pick: int, version_offset: int) -> Key:
+        """A key to a live row (picks 0-7, when there is one), else to any id ever allocated or
+        one never allocated; its version is shifted by `version_offset` (an id that is gone
+        counts as version 1)."""
+        live = sorted(self.model.rows)
+        if live and pick < 8:
+            doc_id = live[pick % len(live)]
+        else:
+            ids = [*range(1, self.model.last_id + 1), self.model.last_id + 7]
+            doc_id = ids[pick % len(ids)]
+        row = self.model.rows.get(doc_id)
+        version = row.key.version if row is not None else 1
+        return Key(doc_id, max(1, version + version_offset))
+
+    # -------------------------------------------------------------------- rules
+
+    @initialize(contents=st.lists(word_contents(), max_size=4))
+    def seed(self, contents: list[str]) -> None:
+        """Start most runs with a few rows, so every rule has something to hit."""
+        for content in contents:
+            self.put(content, agent=0)
+
+    @rule(content=word_contents(), agent=agents)
+    def put(self, content: str, agent: int) -> None:
+        """Insert vocabulary content: the model's record (next id, version 1) or error."""
+        expected = self.model.put(content, None)
+        store = self.stores[agent]
+        assert_agree(outcome(lambda: store.put(content, now_ms=self.model.now)), expected, TINY)
+
+    @rule(content=edge_contents(), agent=agents)
+    def put_edge_case(self, content: str, agent: int) -> None:
+        """Insert blank, secret-shaped or large content."""
+        expected = self.model.put(content, None)
+        store = self.stores[agent]
+        assert_agree(outcome(lambda: store.put(content, now_ms=self.model.now)), expected, TINY)
+
+    @rule(
+        content=st.one_of(word_contents(), word_contents(), edge_contents()),
+        pick=st.integers(min_value=0, max_value=9),
+        version_offset=st.sampled_from([0, 0, 0, -1, 1]),
+        agent=agents,
+    )
+    def replace(self, content: str, pick: int, version_offset: int, agent: int) -> None:
+        """Replace with the current version (or a stale or missing key)."""
+        key = self.key(pick, version_offset)
+        expected = self.model.put(content, key)
+        store = self.stores[agent]
+        actual = outcome(lambda: store.put(content, replace=key, now_ms=self.model.now))
+        assert_agree(actual, expected, TINY)
+
+    @rule(
+        pick=st.integers(min_value=0, max_value=9),
+        version_offset=st.sampled_from([0, 0, -1, 1]),
+        agent=agents,
+    )
+    def delete(self, pick: int, version_offset: int, agent: int) -> None:
+        """Delete with the current version, a stale one, or a missing id; never prunes."""
+        key = self.key(pick, version_offset)
+        expected = self.model.delete(key)
+        store = self.stores[agent]
+        assert_agree(outcome(lambda: store.delete(key, now_ms=self.model.now)), expected, TINY)
+
+    @rule(
+        query=_store_queries,
+        limit=st.integers(min_value=1, max_value=TINY.scan_results + 2),
+        agent=agents,
+    )
+    def scan(self, query: str, limit: int, agent: int) -> None:
+        """Scan: the same candidates, scores and previews; telemetry on those only."""
+        expected = self.model.scan(query, limit)
+        store = self.stores[agent]
+        actual = outcome(lambda: store.scan(query, limit=limit, now_ms=self.model.now))
+        assert_agree(actual, expected, TINY)
+
+    @rule(picks=st.lists(st.integers(min_value=0, max_value=9), max_size=5), agent=agents)
+    def read(self, picks: list[int], agent: int) -> None:
+        """Read ids (live, deleted, never allocated, repeated): de-duplicated, in order."""
+        ids = [self.key(pick, 0).id for pick in picks]
+        expected = self.model.read(ids)
+        store = self.stores[agent]
+        assert_agree(outcome(lambda: store.read(ids, now_ms=self.model.now)), expected, TINY)
+
+    @rule(agent=agents)
+    def list_records(self, agent: int) -> None:
+        """List: visible rows by id, pruned, no telemetry."""
+        expected = self.model.list()
+        store = self.stores[agent]
+        assert_agree(outcome(lambda: store.list(now_ms=self.model.now)), expected, TINY)
+
+    @rule(
+        delta_ms=st.one_of(
+            st.integers(min_value=0, max_value=3),
+            st.integers(min_value=0, max_value=3),
+            st.integers(min_value=0, max_value=3),
+            st.integers(min_value=TINY.probation_ms, max_value=10_000),
+        )
+    )
+    def advance_time(self, delta_ms: int) -> None:
+        """Time moves forward, sometimes past every probation deadline."""
+        self.model.now += delta_ms
+
+    @rule(offset_ms=st.sampled_from([0, 0, -1]))
+    def advance_to_a_deadline(self, offset_ms: int) -> None:
+        """Jump to the earliest pending probation deadline (or just before it): the deadline
+        is inclusive, so an unread row is pruned at exactly `probation_until_ms`."""
+        deadlines = [
+            row.probation_until_ms
+            for row in self.model.rows.values()
+            if row.probation_until_ms is not None and row.probation_until_ms > self.model.now
+        ]
+        if deadlines:
+            self.model.now = max(self.model.now, min(deadlines) + offset_ms)
+
+    @rule(agent=agents, as_context_manager=st.booleans())
+    def close_and_reopen(self, agent: int, as_context_manager: bool) -> None:
+        """A new Store on the same path sees the same data."""
+        if as_context_manager:
+            with self.stores[agent]:
+                pass
+        else:
+            self.stores[agent].close()
+        self.stores[agent] = Store(self.path, limits=TINY)
+
+    @rule(
+        content=st.sampled_from(
+            (*_STORE_SECRETS, "rust password=w", "SQLite token=abcdefghijklmno")
+        ),
+        graduated=st.booleans(),
+    )
+    def insert_legacy_secret_row(self, content: str, graduated: bool) -> None:
+        """A secret-shaped row written by an older build (raw SQL, reference test 13): hidden
+        from scan, read and list, yet counted by every bound, deletable and replaceable."""
+        rows = self.model.rows
+        total = sum(utf8_size(row.content) for row in rows.values())
+        identity = normalized_identity(content)
+        if (
+            not os.path.exists(self.path)
+            or len(rows) >= TINY.records
+            or total + utf8_size(content) > TINY.total_content_bytes
+            or any(normalized_identity(row.content) == identity for row in rows.values())
+        ):
+            return  # the raw row would break a bound the store relies on; skip it
+        record = Record(
+            key=Key(self.model.last_id + 1, 1),
+            content=content,
+            created_at_ms=self.model.now,
+            updated_at_ms=self.model.now,
+            last_scanned_at_ms=None,
+            scan_count=0,
+            last_used_at_ms=None,
+            use_count=0,
+            probation_until_ms=None if graduated else self.model.now + TINY.probation_ms,
+        )
+        connection = sqlite3.connect(self.path, timeout=5, isolation_level=None)
+        try:
+            connection.execute(
+                "INSERT INTO memories (id, version, content, normalized_identity, created_at_ms,"
+                " updated_at_ms, scan_count, use_count, probation_until_ms)"
+                " VALUES (?, 1, ?, ?, ?, ?, 0, 0, ?)",
+                (
+                    record.key.id,
+                    content,
+                    identity,
+                    record.created_at_ms,
+                    record.updated_at_ms,
+                    record.probation_until_ms,
+                ),
+            )
+        finally:
+            connection.close()
+        self.model.last_id += 1
+        self.model.rows[record.key.id] = record
+
+    # -------------------------------------------------------------------- invariants
+
+    @invariant()
+    def disk_matches_model_within_bounds(self) -> None:
+        """The table is exactly the model's rows (so failures changed nothing and telemetry
+        is exact), every bound holds, the file is intact, private and not in WAL mode.
+        Read through a separate read-only connection, so nothing is pruned or touched."""
+        if not os.path.exists(self.path):
+            assert self.model.rows == {}
+            return
+        connection = sqlite3.connect(Path(self.path).as_uri() + "?mode=ro", uri=True, timeout=5)
+        try:
+            stored = [
+                Record(Key(row[0], row[1]), *row[2:])
+                for row in connection.execute(f"SELECT {RECORD_COLUMNS} FROM memories ORDER BY id")
+            ]
+            (content_bytes,) = connection.execute(
+                "SELECT COALESCE(SUM(length(CAST(content AS BLOB))), 0) FROM memories"
+            ).fetchone()
+            (integrity,) = connection.execute("PRAGMA integrity_check").fetchone()
+            (user_version,) = connection.execute("PRAGMA user_version").fetchone()
+            (journal_mode,) = connection.execute("PRAGMA journal_mode").fetchone()
+        finally:
+            connection.close()
+        assert stored == [row for _, row in sorted(self.model.rows.items())]
+        assert len(stored) <= TINY.records
+        assert content_bytes <= TINY.total_content_bytes
+        assert os.path.getsize(self.path) <= TINY.database_bytes
+        assert integrity == "ok"
+        assert user_version == 1
+        assert journal_mode == "delete"
+        assert not os.path.exists(self.path + "-wal")
+        assert not os.path.exists(self.path + "-journal")  # no transaction is left open
+        assert stat.S_IMODE(os.stat(self.path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(self.path)).st_mode) == 0o700
+
+
+StoreMatchesModel.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=50,
+    deadline=None,  # every step is a real SQLite transaction with a sync to disk
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestStoreMatchesModel = StoreMatchesModel.TestCase
