@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -1109,6 +1110,355 @@ def _converter() -> Any:
 
 _CONVERTER: Any = None
 
+# ------------------------------------------------------------------------ browser (state, screen)
+
+_SORT_LABELS: Final = {
+    "useful": "Most useful",
+    "newest": "Newest",
+    "oldest": "Oldest",
+    "least": "Least useful",
+}
+_PREVIEW_GRAPHEMES: Final = 160
+_EXTENDERS: Final = frozenset({"Mn", "Me", "Mc"})
+_ZWJ: Final = "\u200d"
+
+
+def _age(duration_ms: int) -> str:
+    """A short age: 45s, 12m, 3h, 9d."""
+    seconds = max(0, duration_ms) // 1000
+    for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _probation_label(record: Record, now_ms: int) -> str:
+    until = record.probation_until_ms
+    if until is None:
+        return "no probation"
+    if until <= now_ms:
+        return "probation elapsed"
+    left = until - now_ms
+    return "probation <1m" if left < 60_000 else f"probation {_age(left)}"
+
+
+def _utc(time_ms: int) -> str:
+    return datetime.datetime.fromtimestamp(time_ms / 1000, datetime.UTC).strftime(
+        "%Y-%m-%d %H:%M:%SZ"
+    )
+
+
+def _is_extender(char: str) -> bool:
+    """Characters that join the grapheme before them: marks, joiners, selectors, skin tones."""
+    return (
+        unicodedata.category(char) in _EXTENDERS
+        or char == _ZWJ
+        or "\ufe00" <= char <= "\ufe0f"
+        or "\U0001f3fb" <= char <= "\U0001f3ff"
+    )
+
+
+def _drop_last_grapheme(text: str) -> str:
+    """Remove the last user-perceived character: a base with its marks, or a ZWJ sequence."""
+    end = len(text)
+    while end > 0:
+        end -= 1
+        while end > 0 and _is_extender(text[end]):
+            end -= 1
+        if end == 0 or text[end - 1] != _ZWJ:
+            return text[:end]
+        end -= 1  # a joiner glues this character to the one before it
+    return ""
+
+
+def _cell_width(char: str) -> int:
+    if _is_extender(char) or unicodedata.category(char) == "Cf":
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
+def _fit(text: str, width: int) -> str:
+    """Cut text to at most `width` terminal cells, ending in `…` when something was cut."""
+    cells = [_cell_width(char) for char in text]
+    if sum(cells) <= width:
+        return text
+    used, end = 0, 0
+    while end < len(text) and used + cells[end] <= width - 1:
+        used += cells[end]
+        end += 1
+    return text[:end] + "…" if width >= 1 else ""
+
+
+def _safe_line(text: str) -> str:
+    """One line for a list row: controls become spaces, whitespace runs collapse."""
+    cleaned = "".join(
+        " " if unicodedata.category(char) in ("Cc", "Cf", "Cs", "Zl", "Zp") else char
+        for char in text
+    )
+    return " ".join(_WS_RUN.split(cleaned)).strip()
+
+
+def _first_graphemes(text: str, count: int) -> str:
+    seen = 0
+    for index, char in enumerate(text):
+        if not _is_extender(char):
+            seen += 1
+            if seen > count:
+                return text[:index]
+    return text
+
+
+def _safe_block(text: str) -> list[str]:
+    """Content lines for the detail view: tab = 4 spaces, other controls = U+FFFD."""
+    return [
+        "".join(
+            "    "
+            if char == "\t"
+            else "\ufffd"
+            if unicodedata.category(char) in ("Cc", "Cf", "Cs")
+            else char
+            for char in line
+        )
+        for line in text.split("\n")
+    ]
+
+
+def _wrap(line: str, width: int) -> list[str]:
+    """Split a line into pieces of at most `width` cells (a wide char never straddles)."""
+    pieces, current, used = [], "", 0
+    for char in line:
+        cells = _cell_width(char)
+        if used + cells > width and current:
+            pieces.append(current)
+            current, used = "", 0
+        current += char
+        used += cells
+    pieces.append(current)
+    return pieces
+
+
+@attrs.frozen
+class _Browser:
+    """Everything the browser shows; changed only by `_browse_step`."""
+
+    records: tuple[Record, ...] = ()
+    query: str = ""
+    sort: str = "useful"
+    selected: int | None = None  # the selected record's id; selection follows it
+    index: int = 0  # where the selection was, for when its record goes away
+    view: str = "list"
+    scroll: int = 0
+    confirm: Key | None = None  # a delete waiting for its second press
+    deleting: Key | None = None  # a delete sent; keys wait until it answers
+    status: str = ""
+    loaded: bool = False
+    now_ms: int = 0
+    enabled: bool | None = None  # memory enabled for agents in the selected config
+
+    def shown(self) -> list[Record]:
+        """The records matching the filter, in the current sort."""
+        query = self.query.casefold()
+        return _sorted_records(
+            (
+                record
+                for record in self.records
+                if query in record.content.casefold() or self.query in str(record.key.id)
+            ),
+            self.sort,
+        )
+
+    def position(self) -> int:
+        shown = self.shown()
+        ids = [record.key.id for record in shown]
+        if self.selected in ids:
+            return ids.index(self.selected)
+        return max(0, min(self.index, len(shown) - 1))
+
+    def current(self) -> Record | None:
+        shown = self.shown()
+        return shown[self.position()] if shown else None
+
+
+def _select(state: _Browser, position: int | None = None) -> _Browser:
+    """Re-anchor the selection on a record id (moving to `position` if given)."""
+    shown = state.shown()
+    if not shown:
+        return attrs.evolve(state, selected=None, index=0)
+    index = max(0, min(state.position() if position is None else position, len(shown) - 1))
+    return attrs.evolve(state, selected=shown[index].key.id, index=index)
+
+
+_Event = tuple[Any, ...]
+_Effect = tuple[Any, ...]
+
+
+def _browse_step(state: _Browser, event: _Event) -> tuple[_Browser, list[_Effect]]:
+    """The browser's reducer: a key or a store answer in, the new state and effects out.
+
+    Events: ("key", name) for up, down, pgup, pgdn, enter, tab, esc, backspace, delete, ctrl-d,
+    ctrl-r; ("char", c) for a typed character; ("paste", text); ("loaded", records, now_ms);
+    ("load_failed", message); ("deleted", key); ("delete_failed", key, code, message).
+    Effects: ("load",), ("delete", key), ("quit",).
+    """
+    kind = event[0]
+    if kind == "loaded":
+        loaded = attrs.evolve(state, records=tuple(event[1]), now_ms=event[2], loaded=True)
+        loaded = _select(loaded)
+        if loaded.view == "detail" and loaded.current() is None:
+            loaded = attrs.evolve(loaded, view="list")
+        return loaded, []
+    if kind == "load_failed":
+        return attrs.evolve(state, status=f"Could not load memories: {event[1]}"), []
+    if kind == "deleted":
+        key = event[1]
+        records = tuple(record for record in state.records if record.key.id != key.id)
+        state = attrs.evolve(
+            state, records=records, deleting=None, view="list", status=f"Deleted memory #{key.id}."
+        )
+        return _select(attrs.evolve(state, selected=None)), []
+    if kind == "delete_failed":
+        key, code, message = event[1:]
+        state = attrs.evolve(state, deleting=None)
+        if code == Conflict.code:
+            status = f"Memory #{key.id} changed since it was loaded; reloaded, nothing deleted."
+            return attrs.evolve(state, status=status), [("load",)]
+        status = f"Could not delete memory #{key.id}: {message} (d retry · r reload · Esc back)"
+        return attrs.evolve(state, status=status), []
+    if state.deleting is not None:
+        return state, []  # keys wait while a delete is under way
+    name = event[1] if kind == "key" else ""
+    current = state.current()
+    delete_keys = ("delete", "ctrl-d") if state.view == "list" else ("delete",)
+    pressed_delete = name in delete_keys or (
+        state.view == "detail" and kind == "char" and event[1] == "d"
+    )
+    if pressed_delete and current is not None:
+        if state.confirm == current.key:
+            status = f"Deleting memory #{current.key.id}…"
+            deleting = attrs.evolve(state, confirm=None, deleting=current.key, status=status)
+            return deleting, [("delete", current.key)]
+        again = "Ctrl+D/Delete" if state.view == "list" else "d/Delete"
+        status = f"Delete memory #{current.key.id}? Press {again} again to confirm."
+        return attrs.evolve(state, confirm=current.key, status=status), []
+    if state.confirm is not None:  # any other key cancels a pending delete
+        state = attrs.evolve(state, confirm=None, status="")
+        if name == "esc":
+            return state, []
+    if name == "ctrl-r" or (state.view == "detail" and kind == "char" and event[1] == "r"):
+        return attrs.evolve(state, status=""), [("load",)]
+    if state.view == "detail":
+        steps = {"up": -1, "down": 1, "pgup": -10, "pgdn": 10}
+        if name == "esc":
+            return attrs.evolve(state, view="list", scroll=0, status=""), []
+        if name in steps:
+            return attrs.evolve(state, scroll=max(0, state.scroll + steps[name])), []
+        return state, []
+    if name == "esc":
+        return state, [("quit",)]
+    if name in ("up", "down", "pgup", "pgdn"):
+        moves = {"up": -1, "down": 1, "pgup": -5, "pgdn": 5}
+        return _select(state, state.position() + moves[name]), []
+    if name in ("enter", "tab") and current is not None:
+        return attrs.evolve(state, view="detail", scroll=0, status=""), []
+    if kind == "char" and event[1] == "f":
+        sort = _SORT_MODES[(_SORT_MODES.index(state.sort) + 1) % len(_SORT_MODES)]
+        return _select(attrs.evolve(state, sort=sort)), []
+    if name == "backspace":
+        return _select(attrs.evolve(state, query=_drop_last_grapheme(state.query))), []
+    if kind in ("char", "paste"):
+        typed = _safe_line(event[1]) if kind == "paste" else event[1]
+        return _select(attrs.evolve(state, query=state.query + typed)), []
+    return state, []
+
+
+def _browse_screen(state: _Browser, width: int, height: int) -> list[tuple[str, str]]:
+    """The screen as (style, text) lines: at most `height` lines of at most `width` cells.
+
+    Styles: "title", "selected", "dim", "status" and "" (plain).
+    """
+    if width < 1 or height < 1:
+        return []
+    if state.view == "detail" and state.current() is not None:
+        lines = _detail_lines(state, width, height)
+    else:
+        lines = _list_lines(state, width, height)
+    footer = state.status or (
+        "↑↓ scroll · PgUp/PgDn · d delete · r reload · Esc back"
+        if state.view == "detail"
+        else "type to filter · ↑↓ · Enter open · f sort · Ctrl+D delete · Ctrl+R reload · Esc quit"
+    )
+    body = lines[: height - 1]
+    screen = [*body, *[("", "")] * (height - 1 - len(body)), ("status", " " + footer)]
+    return [(style, _fit(text, width)) for style, text in screen]
+
+
+def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str]]:
+    agents = "" if state.enabled is not False else "  · memory disabled for agents"
+    query = _safe_line(state.query)
+    title = f" Memory · Filter: {query}  Sort: {_SORT_LABELS[state.sort]}{agents}"
+    lines = [("title", title)]
+    shown = state.shown()
+    if not state.loaded:
+        return [*lines, ("dim", " Loading…")]
+    if not shown:
+        empty = (
+            " Memory is empty. Press Ctrl+R to refresh."
+            if not state.records
+            else f" No memories match “{query}”."
+        )
+        return [*lines, ("dim", empty)]
+    rows_fit = max(1, (height - 2) // 2)
+    position = state.position()
+    first = (
+        max(0, min(position - rows_fit + 1, len(shown) - rows_fit)) if position >= rows_fit else 0
+    )
+    for index, record in enumerate(shown[first : first + rows_fit], start=first):
+        marker = "› " if index == position else "  "
+        text = _safe_line(_first_graphemes(record.content, _PREVIEW_GRAPHEMES))
+        meta = (
+            f"#{record.key.id} · v{record.key.version} · updated"
+            f" {_age(state.now_ms - record.updated_at_ms)} ago · used {record.use_count}×"
+            f" · {_probation_label(record, state.now_ms)}"
+        )
+        lines.append(("selected" if index == position else "", marker + text))
+        lines.append(("dim", "  " + meta))
+    return lines
+
+
+def _detail_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str]]:
+    record = state.current()
+    assert record is not None
+    now = state.now_ms
+
+    def when(time_ms: int | None) -> str:
+        return "never" if time_ms is None else f"{_utc(time_ms)} ({_age(now - time_ms)} ago)"
+
+    until = record.probation_until_ms
+    metadata = [
+        f"ID: {record.key.id}",
+        f"Version: {record.key.version}",
+        f"Created: {when(record.created_at_ms)}",
+        f"Updated: {when(record.updated_at_ms)}",
+        f"Last scanned: {when(record.last_scanned_at_ms)}",
+        f"Scan count: {record.scan_count}",
+        f"Last used: {when(record.last_used_at_ms)}",
+        f"Use count: {record.use_count}",
+        "Probation until: "
+        + ("none" if until is None else f"{_utc(until)} ({_probation_label(record, now)})"),
+    ]
+    body = [("title", " Memory metadata"), *(("", " " + line) for line in metadata)]
+    body += [("", ""), ("title", " Content")]
+    body += [
+        ("", " " + piece)
+        for line in _safe_block(record.content)
+        for piece in _wrap(line, max(1, width - 1))
+    ]
+    top = [("title", f" Memory #{record.key.id}")]
+    room = max(0, height - 2)
+    start = min(state.scroll, max(0, len(body) - room))
+    return [*top, *body[start : start + room]]
+
+
 # ============================================================================ shell (I/O)
 
 _RECORD_COLUMNS: Final = (
@@ -1641,6 +1991,97 @@ def _serve_mcp(tool: MemoryTool) -> None:
     anyio.run(serve)
 
 
+# ------------------------------------------------------------------------ the browser's terminal
+
+
+def _browse(store: Store, enabled: bool | None) -> None:
+    """`tactmem browse`: the pure browser driven by curses, its effects carried out on `store`."""
+    import curses
+    import locale
+
+    locale.setlocale(locale.LC_ALL, "")
+    os.environ.setdefault("ESCDELAY", "25")  # Esc answers at once, not after a second
+    curses.wrapper(_browse_loop, store, enabled)
+
+
+_CURSES_KEYS: Final = {
+    "KEY_UP": "up",
+    "KEY_DOWN": "down",
+    "KEY_PPAGE": "pgup",
+    "KEY_NPAGE": "pgdn",
+    "KEY_ENTER": "enter",
+    "KEY_BACKSPACE": "backspace",
+    "KEY_DC": "delete",
+}
+_CONTROL_KEYS: Final = {
+    "\n": "enter",
+    "\r": "enter",
+    "\t": "tab",
+    "\x1b": "esc",
+    "\x7f": "backspace",
+    "\x08": "backspace",
+    "\x04": "ctrl-d",
+    "\x12": "ctrl-r",
+}
+
+
+def _key_event(key: int | str, key_name: Callable[[int], bytes]) -> _Event | None:
+    if isinstance(key, int):
+        name = _CURSES_KEYS.get(key_name(key).decode("ascii", "replace"))
+        return None if name is None else ("key", name)
+    if key in _CONTROL_KEYS:
+        return ("key", _CONTROL_KEYS[key])
+    return ("char", key) if key.isprintable() else None
+
+
+def _carry_out(effect: _Effect, store: Store) -> _Event | None:
+    if effect[0] == "load":
+        now = _now_ms()
+        try:
+            return ("loaded", store.list(now_ms=now), now)
+        except TactmemError as error:
+            return ("load_failed", str(error))
+    if effect[0] == "delete":
+        try:
+            store.delete(effect[1])
+        except TactmemError as error:
+            return ("delete_failed", effect[1], error.code, str(error))
+        return ("deleted", effect[1])
+    return None
+
+
+def _browse_loop(screen: Any, store: Store, enabled: bool | None) -> None:
+    import curses
+
+    with contextlib.suppress(curses.error):
+        curses.curs_set(0)
+    styles = {"title": curses.A_BOLD, "selected": curses.A_REVERSE, "dim": curses.A_DIM}
+    screen.keypad(True)
+    state, effects = _Browser(enabled=enabled), [("load",)]
+    while True:
+        while effects:
+            effect = effects.pop(0)
+            if effect[0] == "quit":
+                return
+            event = _carry_out(effect, store)
+            if event is not None:
+                state, more = _browse_step(state, event)
+                effects.extend(more)
+        height, width = screen.getmaxyx()
+        screen.erase()
+        for row, (style, text) in enumerate(_browse_screen(state, width, height)):
+            with contextlib.suppress(curses.error):  # the bottom-right cell cannot be written
+                screen.addstr(row, 0, text, styles.get(style, curses.A_NORMAL))
+        screen.refresh()
+        try:
+            key = screen.get_wch()
+        except curses.error:
+            continue
+        event = _key_event(key, curses.keyname)
+        if event is not None:
+            state, effects = _browse_step(state, event)
+
+
 # ------------------------------------------------------------------------ command line
 
 
@@ -1688,6 +2129,7 @@ def _build_parser() -> _Parser:
     listing = command("list", "list every record without touching telemetry")
     listing.add_argument("--sort", choices=_SORT_MODES, default="useful")
     command("stats", "show usage against every bound")
+    command("browse", "browse, read and delete memories in the terminal")
     for name, summary in (
         ("tool", "serve the memory tool as JSON lines on stdin and stdout"),
         ("mcp", "serve the memory tool over MCP stdio (needs tactmem[mcp])"),
@@ -1745,14 +2187,6 @@ def _record_heading(record: Record, now_ms: int) -> str:
     )
 
 
-def _age(duration_ms: int) -> str:
-    seconds = max(0, duration_ms) // 1000
-    for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
-
-
 def _run(arguments: argparse.Namespace) -> int:
     if arguments.command == "demo":
         return _demo()
@@ -1766,6 +2200,10 @@ def _run(arguments: argparse.Namespace) -> int:
     else:
         config = load_config(getattr(arguments, "config", None))
         path = memory_db_path(config.path)
+    if arguments.command == "browse":  # the human is trusted, enabled for agents or not
+        with Store(path) as store:
+            _browse(store, None if config is None else config.memory_enabled)
+        return 0
     if arguments.command in ("tool", "mcp"):
         if config is not None and not config.memory_enabled:
             raise ConfigError(
