@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import json
 import math
@@ -712,7 +713,9 @@ class _Request:
 
 def _field_label(name: object) -> str:
     """Name a field in an error only when it looks like a field name, never echo arbitrary text."""
-    return repr(name) if isinstance(name, str) and _FIELD_NAME.fullmatch(name) else "a field"
+    if isinstance(name, str) and _FIELD_NAME.fullmatch(name):
+        return repr(name)
+    return "(a name that is not shown)"
 
 
 def _strict_int(value: object, what: str, maximum: int = _MAX_SQL_INT) -> int:
@@ -774,10 +777,10 @@ def _parse_request(arguments: Mapping[str, Any] | str) -> _Request:
             raise InvalidRequest("memory read ids must be a list of integers")
         return _Request(operation, ids=tuple(_strict_int(doc_id, "read id") for doc_id in ids))
     if operation == "put":
-        content, replace = arguments["content"], arguments.get("replace")
+        content = arguments["content"]
         if not isinstance(content, str):
             raise InvalidRequest("memory put content must be a string")
-        key = None if replace is None else _strict_key(replace, "put replace")
+        key = _strict_key(arguments["replace"], "put replace") if "replace" in arguments else None
         return _Request(operation, content=content, key=key)
     key = Key(
         _strict_int(arguments["id"], "delete id"),
@@ -825,9 +828,14 @@ def _closed(
     }
 
 
-def tool_definition() -> dict[str, Any]:
-    """The `memory` tool for an agent host: its name, description and JSON Schemas."""
-    input_schema = {
+def tool_definition(*, flat: bool = False) -> dict[str, Any]:
+    """The `memory` tool for an agent host: its name, description and JSON Schemas.
+
+    The input schema is `oneOf` four closed objects, one per operation. Some hosts refuse a
+    top-level `oneOf`; `flat=True` gives one closed object with every field instead (`call`
+    checks which fields each operation takes either way). Each call returns a fresh value.
+    """
+    input_schema: dict[str, Any] = {
         "type": "object",
         "oneOf": [
             _closed(
@@ -919,12 +927,34 @@ def tool_definition() -> dict[str, Any]:
             },
         ],
     }
-    return {
+    if flat:
+        properties: dict[str, Any] = {"operation": {"enum": list(_OPERATIONS)}}
+        for variant in input_schema["oneOf"]:
+            properties.update(
+                (name, schema)
+                for name, schema in variant["properties"].items()
+                if name != "operation"
+            )
+        input_schema = {
+            "type": "object",
+            "description": _FLAT_DESCRIPTION,
+            "properties": properties,
+            "required": ["operation"],
+            "additionalProperties": False,
+        }
+    definition = {
         "name": "memory",
         "description": _TOOL_DESCRIPTION,
         "input_schema": input_schema,
         "output_schema": output_schema,
     }
+    return copy.deepcopy(definition)  # the schema pieces are shared constants
+
+
+_FLAT_DESCRIPTION: Final = (
+    "scan takes query and optional limit; read takes ids; put takes content and optional"
+    " replace; delete takes id and version. Any other field is an error."
+)
 
 
 _TOOL_DESCRIPTION: Final = (
@@ -1014,7 +1044,10 @@ class ReviewCheckpoint:
     def start(
         cls, *, enabled: bool, origin: str = "fresh", parent: ReviewCheckpoint | None = None
     ) -> ReviewCheckpoint:
-        """The state of a new agent: origin is `fresh`, `restored` or `forked` (from `parent`)."""
+        """The state of a new agent: origin is `fresh`, `restored` or `forked` (from `parent`).
+
+        A fork inherits its parent's state whatever `enabled` says now, as in the reference.
+        """
         if origin == "forked":
             if parent is None:
                 raise ValueError("a forked session needs the parent's ReviewCheckpoint")
@@ -1886,6 +1919,8 @@ def resolve_config_path(
 ) -> str:
     """The config file: `--config`, then `TACT_CONFIG`, `$TACT_HOME/config.toml`, `~/.tact/`."""
     env = os.environ if environ is None else environ
+    if explicit is not None and not os.fspath(explicit):
+        raise ConfigError("--config needs the path of a config file")
     chosen = os.fspath(explicit) if explicit is not None else env.get("TACT_CONFIG", "")
     if chosen:
         return os.path.abspath(chosen)
@@ -1935,7 +1970,7 @@ def _parse_config(path: str, data: bytes) -> Config:
         raise ConfigError(f"[memory] in {path} must be a table")
     for name in memory:
         if name != "enabled":
-            raise ConfigError(f"unknown key {_field_label(name)} in [memory] of {path}")
+            raise ConfigError(f"unknown key in [memory] of {path}: {_field_label(name)}")
     enabled = memory.get("enabled", False)
     if not isinstance(enabled, bool):
         raise ConfigError(f"memory.enabled in {path} must be true or false")
@@ -1954,7 +1989,7 @@ def _serve_mcp(tool: MemoryTool) -> None:
         from mcp.server.stdio import stdio_server
     except ImportError:
         raise TactmemError("tactmem mcp needs the MCP SDK: pip install 'tactmem[mcp]'") from None
-    definition = tool_definition()
+    definition = tool_definition(flat=True)  # hosts such as Claude Code refuse a top-level oneOf
     memory = mcp.types.Tool(
         name=definition["name"],
         description=definition["description"],

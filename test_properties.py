@@ -20,6 +20,7 @@ import shutil
 import sqlite3
 import stat
 import tempfile
+import unicodedata
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -485,8 +486,10 @@ _store_queries = st.one_of(
     st.lists(st.sampled_from(_STORE_WORDS), min_size=1, max_size=2).map(" ".join),
     st.lists(st.sampled_from(_STORE_WORDS), min_size=1, max_size=2).map(" ".join),
     st.lists(st.sampled_from(_STORE_WORDS), min_size=1, max_size=2).map(" ".join),
-    # no terms, no overlap, a hidden secret's value, CJK, and 33 to 35 bytes (bound: 32)
-    st.sampled_from(["", "no-overlap", "w", "数据库", "sqlite " * 5, "é" * 17, "z" * 32]),
+    # no terms, no overlap, a hidden secret's value, most rows, and 33 to 35 bytes (bound: 32)
+    st.sampled_from(
+        ["", "no-overlap", "w", "rust sqlite 数据库 x", "sqlite " * 5, "é" * 17, "z" * 32]
+    ),
 )
 
 
@@ -752,6 +755,27 @@ class StoreMatchesModel(RuleBasedStateMachine):
 
     @rule(
         pick=st.integers(min_value=0, max_value=9),
+        source=st.integers(min_value=0, max_value=9),
+        version_offset=st.sampled_from([0, 0, 0, -1]),
+        agent=agents,
+    )
+    def replace_with_a_respelling(
+        self, pick: int, source: int, version_offset: int, agent: int
+    ) -> None:
+        """Replace a row with a live row's content re-cased and re-spaced: the row's own
+        identity may be kept (the version still goes up), another row's is Duplicate."""
+        key = self.key(pick, version_offset)
+        original = self.model.rows.get(self.key(source, 0).id)
+        if original is None:
+            return
+        content = "\t" + "  ".join(original.content.split(" ")).upper() + "\n"
+        expected = self.model.put(content, key)
+        store = self.stores[agent]
+        actual = outcome(lambda: store.put(content, replace=key, now_ms=self.model.now))
+        assert_agree(actual, expected, TINY)
+
+    @rule(
+        pick=st.integers(min_value=0, max_value=9),
         version_offset=st.sampled_from([0, 0, -1, 1]),
         agent=agents,
     )
@@ -917,3 +941,69 @@ StoreMatchesModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestStoreMatchesModel = StoreMatchesModel.TestCase
+
+
+# ================================================================================ browser
+
+
+def _cells(text: str) -> int:
+    return sum(tactmem._cell_width(char) for char in text)
+
+
+_hostile_text = st.lists(
+    st.one_of(
+        st.text(max_size=40),
+        st.sampled_from(
+            [
+                "\x1b[31m",
+                "\u202e",
+                "\u200d",
+                "\t",
+                "\n",
+                "\r",
+                "数据库",
+                "👨‍👩‍👧",
+                "e\u0301",
+                "x" * 200,
+            ]
+        ),
+    ),
+    max_size=12,
+).map("".join)
+
+
+@st.composite
+def browser_states(draw: st.DrawFn) -> tactmem._Browser:
+    contents = draw(st.lists(_hostile_text.filter(str.strip), max_size=6))
+    records = tuple(
+        Record(Key(doc_id, 1), content, 0, 0, None, 0, None, draw(st.integers(0, 3)), None)
+        for doc_id, content in enumerate(contents, start=1)
+    )
+    state = tactmem._Browser(enabled=draw(st.sampled_from([None, True, False])))
+    state, _ = tactmem._browse_step(state, ("loaded", records, draw(st.integers(0, 10**13))))
+    keys = st.one_of(
+        st.sampled_from(
+            ["up", "down", "pgup", "pgdn", "enter", "tab", "esc", "backspace", "delete"]
+        ).map(lambda name: ("key", name)),
+        st.characters(codec="utf-8").map(lambda char: ("char", char)),
+        _hostile_text.map(lambda text: ("paste", text)),
+    )
+    for event in draw(st.lists(keys, max_size=8)):
+        state, _ = tactmem._browse_step(state, event)
+    return state
+
+
+@settings(max_examples=300)
+@given(state=browser_states(), width=st.integers(0, 120), height=st.integers(0, 40))
+def test_browser_screen_never_leaves_the_window(
+    state: tactmem._Browser, width: int, height: int
+) -> None:
+    """Whatever the content, state and window size, every line fits and no line is extra;
+    no control character reaches the terminal."""
+    lines = tactmem._browse_screen(state, width, height)
+    assert len(lines) <= height
+    for _, text in lines:
+        assert _cells(text) <= width
+        assert not any(unicodedata.category(char) in ("Cc", "Cf", "Cs") for char in text), repr(
+            text
+        )
