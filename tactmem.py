@@ -1564,6 +1564,30 @@ def _storage_error(error: sqlite3.Error) -> TactmemError:
     return StorageError(f"memory storage operation failed ({name or type(error).__name__})")
 
 
+def _begin_immediate(connection: sqlite3.Connection) -> None:
+    """`BEGIN IMMEDIATE`, retrying every millisecond for up to the busy timeout.
+
+    SQLite's own busy handler backs off to 100 ms sleeps, so under steady contention a waiting
+    writer keeps missing the short gaps between other writers' transactions and can starve
+    past the timeout. Polling briefly gives every process a fair chance at the write lock.
+    Inside the transaction the ordinary busy timeout applies again (for COMMIT).
+    """
+    deadline = time.monotonic() + _BUSY_TIMEOUT_S
+    connection.execute("PRAGMA busy_timeout = 0")
+    try:
+        while True:
+            try:
+                connection.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as error:
+                busy = getattr(error, "sqlite_errorname", "").startswith("SQLITE_BUSY")
+                if not busy or time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.001)
+    finally:
+        connection.execute(f"PRAGMA busy_timeout = {int(_BUSY_TIMEOUT_S * 1000)}")
+
+
 def _file_identity(path: str) -> tuple[int, int] | None:
     try:
         status = os.stat(path)
@@ -1783,7 +1807,7 @@ class Store:
         with self._lock:
             try:
                 connection = self._connect()
-                connection.execute("BEGIN IMMEDIATE")
+                _begin_immediate(connection)
                 try:
                     # Another process may have upgraded the file since this connection opened.
                     (found,) = connection.execute("PRAGMA user_version").fetchone()
@@ -1820,7 +1844,7 @@ class Store:
             (page_size,) = connection.execute("PRAGMA page_size").fetchone()
             connection.execute(f"PRAGMA max_page_count = {_max_pages(self.limits, page_size)}")
             connection.execute("PRAGMA secure_delete = ON")
-            connection.execute("BEGIN IMMEDIATE")
+            _begin_immediate(connection)
             (found,) = connection.execute("PRAGMA user_version").fetchone()
             if found not in (0, _SCHEMA_VERSION):  # another process got there first
                 raise UnsupportedSchema(found)
@@ -2034,9 +2058,15 @@ def _browse(store: Store, enabled: bool | None) -> None:
     import curses
     import locale
 
-    locale.setlocale(locale.LC_ALL, "")
+    if not (sys.stdin and sys.stdin.isatty() and sys.stdout and sys.stdout.isatty()):
+        raise TactmemError("browse needs a terminal")
+    with contextlib.suppress(locale.Error):
+        locale.setlocale(locale.LC_ALL, "")
     os.environ.setdefault("ESCDELAY", "25")  # Esc answers at once, not after a second
-    curses.wrapper(_browse_loop, store, enabled)
+    try:
+        curses.wrapper(_browse_loop, store, enabled)
+    except curses.error:
+        raise TactmemError("the terminal could not be used (is TERM set?)") from None
 
 
 _CURSES_KEYS: Final = {
@@ -2413,6 +2443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except TactmemError as error:
         print(f"tactmem: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # standard streams or files the operating system refused
+        print(f"tactmem: {error.strerror or 'input/output error'}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

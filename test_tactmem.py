@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
+import io
 import json
 import os
 import re
@@ -16,10 +18,12 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import types
-from collections.abc import Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,8 @@ import attrs
 import jsonschema
 import pyte
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tactmem
 from tactmem import (
@@ -2372,3 +2378,472 @@ def test_browse_in_a_tiny_and_resized_terminal(tmp_path: Path, db: Path) -> None
         assert terminal.close() == 0
     finally:
         terminal.process.kill()
+
+
+# ============================================================================ reliability
+# Real processes, real files and real signals: concurrency, crashes, faults, hostile input,
+# what delete leaves behind, and every bound at its edge (issue 5).
+
+CONCURRENT_WORKER = r"""
+import json, random, sys
+from tactmem import Key, Limits, Store, TactmemError
+
+path, seed, operations = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rng = random.Random(seed)
+store = Store(path, limits=Limits(records=40, total_content_bytes=4000))
+known, log = {}, []
+words = ["sqlite", "ledgerline", "release", "cache", "probation", "bound", "delete"]
+for step in range(operations):
+    operation = rng.choice(["put", "put", "replace", "replace", "delete", "scan", "read"])
+    target = rng.choice(sorted(known)) if known else None
+    try:
+        if operation == "put":
+            content = f"worker {seed} step {step} {rng.choice(words)}"
+            record = store.put(content)
+            log.append(["put", record.key.id, record.key.version, content])
+            known[record.key.id] = record.key.version
+        elif operation == "replace" and target is not None:
+            content = f"worker {seed} step {step} replaced {rng.choice(words)}"
+            record = store.put(content, replace=Key(target, known[target]))
+            log.append(["replace", target, known[target], record.key.version, content])
+            known[target] = record.key.version
+        elif operation == "delete" and target is not None:
+            store.delete(Key(target, known.pop(target)))
+            log.append(["delete", target])
+        elif operation == "scan":
+            for candidate in store.scan(f"worker step {rng.choice(words)}").candidates:
+                known[candidate.key.id] = candidate.key.version
+        elif operation == "read":
+            for record in store.read(rng.sample(range(1, 200), 5)):
+                known[record.key.id] = record.key.version
+    except TactmemError as error:
+        log.append(["error", operation, error.code])
+        known.pop(target, None)  # stale: learn it again from a scan or read
+print(json.dumps(log))
+"""
+
+
+def test_concurrent_processes_lose_nothing_and_keep_every_bound(db: Path) -> None:
+    """4 processes x 250 mixed operations on one file (a few hundred each, all interleaved)."""
+    Store(db).list()
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONCURRENT_WORKER, str(db), str(seed), "250"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=HERE,
+        )
+        for seed in range(4)
+    ]
+    logs = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=300)
+        assert (worker.returncode, err) == (0, "")
+        logs.append(json.loads(out))
+    entries = [entry for log in logs for entry in log]
+    errors = Counter(entry[2] for entry in entries if entry[0] == "error")
+    assert set(errors) <= {"conflict", "not_found", "record_capacity", "content_capacity"}, errors
+    written = {}  # (id, version) -> content, for every acknowledged put and replace
+    for entry in entries:
+        if entry[0] == "put":
+            assert entry[2] == 1
+            written[(entry[1], 1)] = entry[3]
+        elif entry[0] == "replace":
+            assert entry[3] == entry[2] + 1, "a replace raises the version by exactly one"
+            written[(entry[1], entry[3])] = entry[4]
+    deleted = {entry[1] for entry in entries if entry[0] == "delete"}
+    puts = {entry[1] for entry in entries if entry[0] == "put"}
+    assert len(puts) == sum(entry[0] == "put" for entry in entries), "ids are never reused"
+    with Store(db, limits=Limits(records=40, total_content_bytes=4000)) as store:
+        final = {record.key.id: record for record in store.list()}
+    assert set(final) == puts - deleted  # every acknowledged put is there unless deleted
+    for doc_id, record in final.items():
+        assert written[(doc_id, record.key.version)] == record.content  # no partial write
+    assert len(final) <= 40 and sum(len(r.content.encode()) for r in final.values()) <= 4000
+    with raw(db) as connection:
+        assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    assert sum(len(log) for log in logs) >= 600  # the workers really did work
+
+
+CRASH_WRITER = r"""
+import json, random, sys
+from tactmem import Key, Store
+
+path, seed = sys.argv[1], int(sys.argv[2])
+rng = random.Random(seed)
+store = Store(path)
+mine = {}
+for step in range(100_000):
+    if mine and rng.random() < 0.4:
+        doc_id = rng.choice(sorted(mine))
+        content = f"run {seed} step {step} replaces {doc_id} " + "x" * rng.randrange(200)
+        record = store.put(content, replace=Key(doc_id, mine[doc_id]))
+    else:
+        content = f"run {seed} step {step} new " + "y" * rng.randrange(200)
+        record = store.put(content)
+    mine[record.key.id] = record.key.version
+    print(json.dumps([record.key.id, record.key.version, content]), flush=True)
+"""
+
+
+def test_writer_killed_mid_stream_leaves_every_acknowledged_write(db: Path) -> None:
+    """A writer is killed with SIGKILL at a random moment, 20 times in a row on one file."""
+    import random
+
+    rng = random.Random(7)
+    acknowledged: dict[int, tuple[int, str]] = {}
+    limits = Limits(records=10_000, total_content_bytes=10**8)
+    for run in range(20):
+        writer = subprocess.Popen(
+            [sys.executable, "-c", CRASH_WRITER, str(db), str(run)],
+            stdout=subprocess.PIPE, text=True, cwd=HERE,
+        )  # fmt: skip
+        assert writer.stdout is not None
+        first = writer.stdout.readline()  # it is writing: now kill it at a random moment
+        time.sleep(rng.uniform(0.0, 0.25))
+        writer.send_signal(signal.SIGKILL)
+        rest = writer.stdout.read()
+        writer.wait()
+        assert writer.returncode == -signal.SIGKILL
+        lines = (first + rest).splitlines()
+        if rest and not rest.endswith("\n"):
+            lines = lines[:-1]  # a line cut by the kill was never acknowledged
+        for line in lines:
+            doc_id, version, content = json.loads(line)
+            acknowledged[doc_id] = (version, content)
+        with raw(db) as connection:
+            assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        with Store(db, limits=limits) as store:  # opening recovers any hot journal
+            rows = {record.key.id: record for record in store.list()}
+            for doc_id, (version, content) in acknowledged.items():
+                record = rows[doc_id]
+                assert record.key.version >= version
+                if record.key.version == version:
+                    assert record.content == content
+            store.put(f"the next writer is not blocked {run}")  # and it commits cleanly
+        with raw(db) as connection:
+            for content, identity in connection.execute(
+                "SELECT content, normalized_identity FROM memories"
+            ):
+                assert identity == normalized_identity(content)  # no half-applied change
+            (next_id,) = connection.execute("SELECT next_id FROM memory_metadata").fetchone()
+            assert next_id > max(rows)
+        assert not Path(f"{db}-journal").exists()
+    assert len(acknowledged) >= 20
+
+
+def cli(*argv: str, user: int | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tactmem", *argv],
+        capture_output=True, text=True, cwd=HERE, timeout=60, user=user,
+    )  # fmt: skip
+
+
+def assert_one_line_refusal(result: subprocess.CompletedProcess[str], message: str) -> None:
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("tactmem: " + message), result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def corrupt(db: Path) -> None:
+    """A database whose memories table pages are garbage (the header still says SQLite)."""
+    with Store(db) as store:
+        for i in range(30):
+            store.put(f"record {i} " + "padding " * 40)
+    with raw(db) as connection:
+        (root,) = connection.execute(
+            "SELECT rootpage FROM sqlite_master WHERE name = 'memories'"
+        ).fetchone()
+    data = bytearray(db.read_bytes())
+    data[(root - 1) * 4096 : root * 4096] = b"\xa5" * 4096
+    db.write_bytes(bytes(data))
+
+
+def full_page_budget(db: Path) -> None:
+    """A valid store whose file fills the default 4 MiB budget, its record pages nearly full."""
+    with Store(db) as store:
+        for i in range(3):
+            store.put(f"{i} " + "w" * 1000)
+    with raw(db) as connection:
+        connection.execute("PRAGMA max_page_count = 1024")
+        connection.execute("CREATE TABLE ballast (data BLOB)")
+        with contextlib.suppress(sqlite3.OperationalError):  # SQLITE_FULL ends the filling
+            while True:
+                connection.execute("INSERT INTO ballast VALUES (zeroblob(3000))")
+        assert connection.execute("PRAGMA page_count").fetchone()[0] >= 1022
+
+
+BIG_PUT = "one more conclusion " * 50  # needs a new page in a full file
+
+
+@pytest.mark.parametrize(
+    ("prepare", "commands", "error", "message"),
+    [
+        (
+            corrupt,
+            ["list", "put", "scan"],
+            StorageError,
+            "memory database file is not a SQLite database or is damaged",
+        ),
+        (
+            lambda db: db.write_bytes(b"plain notes, not a database\n" * 100),
+            ["list", "put", "scan"],
+            StorageError,
+            "memory database file is not a SQLite database or is damaged",
+        ),
+        (
+            lambda db: raw(db).execute("PRAGMA user_version = 7"),
+            ["list", "put", "scan"],
+            UnsupportedSchema,
+            "memory schema version 7 is unsupported",
+        ),
+        (
+            lambda db: db.mkdir(),
+            ["list", "put", "scan"],
+            StorageError,
+            "could not open the memory database file",
+        ),
+        (full_page_budget, ["put"], DatabaseCapacity, "memory database capacity was reached"),
+    ],
+    ids=["corrupt", "not-sqlite", "newer-schema", "directory", "full-page-budget"],
+)
+def test_faults_are_clear_errors_that_change_nothing(
+    db: Path, prepare: Any, commands: list[str], error: type[TactmemError], message: str
+) -> None:
+    db.parent.mkdir(exist_ok=True)
+    prepare(db)
+    before = db.read_bytes() if db.is_file() else None
+    with pytest.raises(error) as caught, Store(db) as store:
+        if commands == ["put"]:
+            store.put(BIG_PUT)
+        store.list()
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+    arguments = {"list": ["list"], "put": ["put", BIG_PUT], "scan": ["scan", "conclusion"]}
+    for command in commands:
+        assert_one_line_refusal(cli("--db", str(db), *arguments[command]), message)
+    assert (db.read_bytes() if db.is_file() else None) == before
+
+
+@contextlib.contextmanager
+def read_only_directory() -> Iterator[tuple[Path, Callable[[], None]]]:
+    """A directory tactmem cannot write to, and a function that makes it read-only.
+
+    As root, modes do not bind, so root gets a tmpfs mounted read-only; anyone else gets 0555.
+    """
+    directory = Path(tempfile.mkdtemp(prefix="tactmem-ro-"))
+    mounted = os.geteuid() == 0
+    if mounted:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(directory)], check=True
+        )
+
+    def seal() -> None:
+        if mounted:
+            subprocess.run(["mount", "-o", "remount,ro", str(directory)], check=True)
+        else:
+            directory.chmod(0o555)
+
+    try:
+        yield directory, seal
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(directory)], check=True)
+        directory.chmod(0o755)
+        shutil.rmtree(directory)
+
+
+def test_read_only_directory_is_a_clear_error() -> None:
+    with read_only_directory() as (directory, seal):
+        existing = directory / "existing.sqlite3"
+        with Store(existing) as store:
+            store.put("readable but not writable")
+        before = existing.read_bytes()
+        seal()
+        assert_one_line_refusal(
+            cli("--db", str(directory / "memory" / "new.sqlite3"), "list"),
+            "could not prepare the memory directory",
+        )
+        assert_one_line_refusal(
+            cli("--db", str(directory / "new.sqlite3"), "list"),
+            "could not prepare the memory directory",
+        )
+        for argv in (["put", "cannot land"], ["scan", "readable"], ["list"]):
+            assert_one_line_refusal(
+                cli("--db", str(existing), *argv), "memory database is read-only"
+            )
+        with Store(existing) as store, pytest.raises(StorageError, match="read-only"):
+            store.list()
+        assert existing.read_bytes() == before
+        assert sorted(p.name for p in directory.iterdir()) == ["existing.sqlite3"]
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+    | st.text(st.characters(codec=None), max_size=40),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+TOOL_REQUESTS = st.one_of(
+    JSON_VALUES,
+    st.fixed_dictionaries(
+        {"operation": st.sampled_from(["scan", "read", "put", "delete", "Scan", ""])},
+        optional={
+            "query": JSON_VALUES, "limit": JSON_VALUES, "ids": JSON_VALUES,
+            "content": st.text(st.characters(codec=None), max_size=1100) | JSON_VALUES,
+            "replace": JSON_VALUES, "id": st.integers() | JSON_VALUES,
+            "version": st.integers() | JSON_VALUES, "is_root": st.booleans(),
+        },
+    ),
+    st.text(st.characters(codec=None), max_size=200),
+    st.integers(1, 5000).map(lambda depth: "[" * depth * 20),
+    st.integers(1, 5000).map(lambda depth: '{"operation": "scan", "query": ' * depth),
+    st.integers(2**63, 2**200).map(lambda big: f'{{"operation": "read", "ids": [{big}]}}'),
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(requests=st.lists(TOOL_REQUESTS, min_size=1, max_size=6), root=st.booleans())
+def test_hostile_tool_calls_never_raise(requests: list[Any], root: bool) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "memory.sqlite3"
+        limits = Limits(records=4, total_content_bytes=200)
+        with Store(path, limits=limits) as store:
+            tool = MemoryTool(store, root=root)
+            for request in requests:
+                tool.call({"operation": "scan", "query": "x"}, now_ms=1)  # open the put gate
+                answer = tool.call(request, now_ms=1)
+                assert isinstance(answer, dict)
+                OUTPUT_SCHEMA.validate(answer)
+                json.dumps(answer)  # a well-formed JSON answer
+        if path.exists():
+            with raw(path) as connection:
+                assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+                rows, size = connection.execute(
+                    "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0) FROM memories"
+                ).fetchone()
+            assert rows <= 4 and size <= 200
+
+
+ARGV_WORDS = st.sampled_from(
+    [
+        "scan", "read", "put", "delete", "list", "stats", "tool", "demo", "--json", "--limit",
+        "--replace", "--sort", "--child", "--help", "--version", "--db", "--config", "-", "1",
+        "0", "1@1", "2@9", "-1", "99999999999999999999", "newest", "x", "", " ", "\udcff",
+        "password = hunter22", "@", "1@", "--", "-h",
+    ]
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(argv=st.lists(ARGV_WORDS | st.text(max_size=10), max_size=7))
+def test_main_never_raises_for_any_argv(argv: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        # Whatever follows --db or --config names a file in this directory.
+        argv = [
+            os.path.join(directory, "named.file") if before in ("--db", "--config") else word
+            for before, word in zip(["", *argv], argv, strict=False)
+        ]
+        environment = {"HOME": directory, "TACT_HOME": directory, "TACT_CONFIG": ""}
+        saved = {name: os.environ.get(name) for name in environment}
+        saved_stdin, saved_stdout, saved_stderr = sys.stdin, sys.stdout, sys.stderr
+        os.environ.update(environment)
+        sys.stdin = io.TextIOWrapper(io.BytesIO(b'{"operation": "scan", "query": "q"}\n'))
+        sys.stdout = sys.stderr = io.StringIO()
+        cwd = os.getcwd()
+        os.chdir(directory)
+        try:
+            status = tactmem.main(argv)
+        finally:
+            os.chdir(cwd)
+            sys.stdin, sys.stdout, sys.stderr = saved_stdin, saved_stdout, saved_stderr
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        assert status in (0, 1, 2)
+
+
+def test_delete_leaves_no_content_in_the_file_and_no_journal(db: Path) -> None:
+    marker = "Zorblax quintessential marker 4417 for the deletion test"
+    with Store(db) as store:
+        for i in range(20):
+            store.put(f"neighbouring record {i} stays")
+        record = store.put(marker)
+        replaced = store.put("Another zorblax 9921 sentinel", now_ms=1)
+        store.put("its replacement", replace=replaced.key, now_ms=1)
+        assert marker.encode() in db.read_bytes()
+        store.delete(record.key)
+    data = db.read_bytes()
+    for gone in (marker, normalized_identity(marker), "zorblax 9921", "Zorblax 9921"):
+        assert gone.encode() not in data, gone
+    assert b"neighbouring record 7 stays" in data
+    assert [p.name for p in db.parent.iterdir()] == [db.name]  # no -journal, -wal or -shm
+
+
+EDGE = Limits(
+    content_bytes=16, records=3, total_content_bytes=40, scan_results=2, query_bytes=8,
+    probation_ms=100,
+)  # fmt: skip
+
+
+def unchanged_after(db: Path, action: Any, error: type[TactmemError]) -> None:
+    """`action` fails with `error` and the database file stays byte-for-byte the same."""
+    before = db.read_bytes()
+    with pytest.raises(error):
+        action()
+    assert db.read_bytes() == before
+
+
+def test_every_bound_at_its_edge(db: Path) -> None:
+    store = Store(db, limits=EDGE)
+    store.list(now_ms=0)
+    store.put("éééé abcdefg", now_ms=0)  # exactly 16 bytes
+    unchanged_after(db, lambda: store.put("éééé abcdefgh", now_ms=0), ContentTooLarge)
+    store.put("b" * 16, now_ms=0)  # 32 of 40 bytes
+    store.put("c" * 8, now_ms=0)  # exactly 40 bytes, 3 of 3 records
+    unchanged_after(db, lambda: store.put("d", now_ms=0), RecordCapacity)
+    store.delete(Key(3, 1), now_ms=0)  # a full store still deletes
+    unchanged_after(db, lambda: store.put("d" * 9, now_ms=0), ContentCapacity)
+    store.put("d" * 8, now_ms=0)  # back to exactly 40 bytes
+    unchanged_after(db, lambda: store.put("e" * 9, replace=Key(4, 1), now_ms=0), ContentCapacity)
+    store.put("e" * 8, replace=Key(4, 1), now_ms=0)
+    assert store.scan("é" * 4, now_ms=1).candidates[0].key == Key(1, 1)  # exactly 8 bytes
+    unchanged_after(db, lambda: store.scan("é" * 4 + "x", now_ms=1), QueryTooLarge)
+    # Expired unread probation is pruned before a capacity error; read (graduated) rows never.
+    store.read([1], now_ms=50)
+    unchanged_after(db, lambda: store.put("new", now_ms=99), RecordCapacity)
+    store.put("new", now_ms=100)  # rows 2 and 4 expired at 100 and made room
+    assert [r.key.id for r in store.list(now_ms=10**9)] == [1]
+    assert store.list(now_ms=10**9)[0].probation_until_ms is None
+
+
+def test_scan_result_and_preview_bounds(db: Path) -> None:
+    store = Store(db)
+    for i in range(9):
+        store.put(f"bounded {i} " + "数据" * 40, now_ms=0)
+    result = store.scan("bounded", limit=100, now_ms=1)
+    assert len(result.candidates) == 5
+    assert all(len(c.preview.encode()) <= 64 for c in result.candidates)
+    assert all(
+        c.preview == preview(f"bounded {c.key.id - 1} " + "数据" * 40) for c in result.candidates
+    )
+
+
+def test_database_budget_edge_writes_nothing_on_the_failing_put(db: Path) -> None:
+    limits = Limits(database_bytes=7 * 4096)
+    store = Store(db, limits=limits)
+    stored = 0
+    while True:
+        before = db.read_bytes() if db.exists() else b""
+        try:
+            store.put(f"{stored} " + "words to fill pages " * 45, now_ms=0)
+        except DatabaseCapacity:
+            break
+        stored += 1
+    assert db.read_bytes() == before and db.stat().st_size <= limits.database_bytes
+    assert len(store.list(now_ms=0)) == stored > 0
+    store.delete(Key(1, 1))
+    store.put("fits again after a delete", now_ms=0)
