@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
-import datetime
-import json
+import functools
 import math
 import os
 import re
@@ -154,25 +152,47 @@ _CREDENTIAL_ASSIGNMENT: Final = re.compile(
 # ordinary hyphenated name, group 1 is the token's body and must look random (a digit, or both
 # cases), so `xapp-frontend-service` is a name and `xapp-1-A0B1C2D3` a token.
 _PROVIDER_SHAPES: Final = (
-    ("google_api_key", re.compile(r"(?<![A-Za-z0-9_])AIza([A-Za-z0-9_-]{35})")),
-    ("gitlab_token", re.compile(r"(?<![A-Za-z0-9_])glpat-([A-Za-z0-9_-]{20})")),
-    ("npm_token", re.compile(r"(?<![A-Za-z0-9_])npm_[A-Za-z0-9]{36}")),
-    ("pypi_token", re.compile(r"(?<![A-Za-z0-9_])pypi-AgE([A-Za-z0-9_-]{16})")),
-    ("huggingface_token", re.compile(r"(?<![A-Za-z0-9_])hf_([A-Za-z0-9]{30})")),
-    ("slack_app_token", re.compile(r"(?<![A-Za-z0-9_])xapp-([A-Za-z0-9-]{12})")),
-    ("slack_webhook", re.compile(r"hooks\.slack\.com/services/T[A-Za-z0-9_]+/B[A-Za-z0-9_]+/\w")),
-    ("stripe_key", re.compile(r"(?<![A-Za-z0-9_])(?:rk_live_|rk_test_|pk_live_)[A-Za-z0-9]{12}")),
+    ("google_api_key", ("AIza",), False, re.compile(r"(?<![A-Za-z0-9_])AIza([A-Za-z0-9_-]{35})")),
+    ("gitlab_token", ("glpat-",), False, re.compile(r"(?<![A-Za-z0-9_])glpat-([A-Za-z0-9_-]{20})")),
+    ("npm_token", ("npm_",), False, re.compile(r"(?<![A-Za-z0-9_])npm_[A-Za-z0-9]{36}")),
+    (
+        "pypi_token",
+        ("pypi-AgE",),
+        False,
+        re.compile(r"(?<![A-Za-z0-9_])pypi-AgE([A-Za-z0-9_-]{16})"),
+    ),
+    ("huggingface_token", ("hf_",), False, re.compile(r"(?<![A-Za-z0-9_])hf_([A-Za-z0-9]{30})")),
+    ("slack_app_token", ("xapp-",), False, re.compile(r"(?<![A-Za-z0-9_])xapp-([A-Za-z0-9-]{12})")),
+    (
+        "slack_webhook",
+        ("hooks.slack.com",),
+        False,
+        re.compile(r"hooks\.slack\.com/services/T[A-Za-z0-9_]+/B[A-Za-z0-9_]+/\w"),
+    ),
+    (
+        "stripe_key",
+        ("k_live_", "k_test_"),
+        False,
+        re.compile(r"(?<![A-Za-z0-9_])(?:rk_live_|rk_test_|pk_live_)[A-Za-z0-9]{12}"),
+    ),
     # `aws_secret_access_key = <40 chars>` and `"SecretAccessKey": "<40 chars>"` (ai name).
     (
         "aws_secret_key",
+        ("access",),
+        True,
         re.compile(
             f"secret_?access_?key[\"']?[{_WS}]*[:=][{_WS}]*[\"']?[a-z0-9/+]{{40}}",
             _AI,
         ),
     ),
     # Azure storage connection strings: `AccountKey=<base64>` (ai name).
-    ("azure_account_key", re.compile(r"accountkey=[a-z0-9+/]{20}", _AI)),
-    ("sendgrid_key", re.compile(r"(?<![A-Za-z0-9_])SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}")),
+    ("azure_account_key", ("accountkey=",), True, re.compile(r"accountkey=[a-z0-9+/]{20}", _AI)),
+    (
+        "sendgrid_key",
+        ("SG.",),
+        False,
+        re.compile(r"(?<![A-Za-z0-9_])SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}"),
+    ),
 )
 _JWT: Final = re.compile(r"eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")
 _JWT_TRIMMED: Final = re.compile(r"[A-Za-z0-9_.-](?:.*[A-Za-z0-9_.-])?", re.DOTALL)
@@ -408,8 +428,11 @@ def _components(run: str) -> Iterator[str]:
             yield piece[start:].lower()
 
 
-def _run_tokens(run: str) -> list[str]:
+@functools.lru_cache(maxsize=8192)
+def _run_tokens(run: str) -> tuple[str, ...]:
     """The whole run lowercased, then each new component (and CJK bigrams and pieces)."""
+    if run.isascii() and run.islower() and "_" not in run:
+        return (run,)  # the common case: a plain lowercase word has no components
     whole = run.lower()
     tokens = [whole]
     seen = {whole}
@@ -428,7 +451,7 @@ def _run_tokens(run: str) -> list[str]:
             if any(char.isalnum() for char in piece):  # not a lone `_` or combining mark
                 emit([piece.lower()])
                 emit(_components(piece))
-    return tokens
+    return tuple(tokens)
 
 
 def tokenize(text: str) -> list[str]:
@@ -458,9 +481,11 @@ class _Corpus:
         self.lengths: dict[int, int] = {}
         self.postings: dict[str, dict[int, int]] = {}
         self.total_length = 0
+        self._weights: dict[str, list[tuple[int, float]]] = {}  # per term, until a change
 
     def add(self, doc_id: int, version: int, content: object) -> None:
         self.remove(doc_id)
+        self._weights.clear()
         self.rows[doc_id] = (version, content)
         if not isinstance(content, str) or _hidden(content):
             return
@@ -474,6 +499,7 @@ class _Corpus:
             self.postings.setdefault(term, {})[doc_id] = count
 
     def remove(self, doc_id: int) -> None:
+        self._weights.clear()
         self.rows.pop(doc_id, None)
         self.contents.pop(doc_id, None)
         counts = self.term_counts.pop(doc_id, None)
@@ -501,13 +527,18 @@ class _Corpus:
             posting = self.postings.get(term)
             if not posting:
                 continue
-            df = len(posting)
-            idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
-            for doc_id, tf in posting.items():
-                ratio = self.lengths[doc_id] / average_length if average_length else 0.0
-                norm = _BM25_K1 * ((1 - _BM25_B) + _BM25_B * ratio)
-                score = idf * tf * (_BM25_K1 + 1) / (tf + norm)
-                scores[doc_id] = scores.get(doc_id, 0.0) + score
+            weights = self._weights.get(term)
+            if weights is None:  # idf and lengths only change with the corpus: cache per term
+                df = len(posting)
+                idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+                weights = []
+                for doc_id, tf in posting.items():
+                    ratio = self.lengths[doc_id] / average_length if average_length else 0.0
+                    norm = _BM25_K1 * ((1 - _BM25_B) + _BM25_B * ratio)
+                    weights.append((doc_id, idf * tf * (_BM25_K1 + 1) / (tf + norm)))
+                self._weights[term] = weights
+            for doc_id, weight in weights:
+                scores[doc_id] = scores.get(doc_id, 0.0) + weight
         ranked = sorted(scores.items(), key=lambda item: (-item[1], item[0]))
         return [item for item in ranked if item[1] > 0.0][:limit]
 
@@ -569,22 +600,34 @@ def _jwt(text: str) -> bool:
     return False
 
 
-_SECRET_RULES: Final[tuple[tuple[str, Callable[[str], object]], ...]] = (
-    ("private_key", _PEM_PRIVATE_KEY.search),
-    ("authorization_header", _AUTHORIZATION_HEADER.search),
-    ("bearer_token", lambda text: "earer " in text.lower() and _bearer_token(text)),
-    ("credential_url", lambda text: "://" in text and _credential_url(text)),
-    ("provider_token", _PROVIDER_PREFIX.search),
-    ("jwt", lambda text: "eyJ" in text and _jwt(text)),
-    ("credential_assignment", _CREDENTIAL_ASSIGNMENT.search),
-    *((name, _provider_shape(pattern)) for name, pattern in _PROVIDER_SHAPES),
+# (rule, a literal every match contains, whether to look for it in the lowercased text, check).
+# The literal is a cheap pre-filter: most text skips most regexes without running them.
+_SECRET_RULES: Final[tuple[tuple[str, tuple[str, ...], bool, Callable[[str], object]], ...]] = (
+    ("private_key", ("-----",), False, _PEM_PRIVATE_KEY.search),
+    ("authorization_header", ("authorization",), True, _AUTHORIZATION_HEADER.search),
+    ("bearer_token", ("bearer ",), True, _bearer_token),
+    ("credential_url", ("://",), False, _credential_url),
+    ("provider_token", ("sk", "gh", "github", "xox", "akia"), True, _PROVIDER_PREFIX.search),
+    ("jwt", ("eyJ",), False, _jwt),
+    (
+        "credential_assignment",
+        ("pass", "secret", "token", "private", "api"),
+        True,
+        _CREDENTIAL_ASSIGNMENT.search,
+    ),
+    *(
+        (name, literals, lowered, _provider_shape(pattern))
+        for name, literals, lowered, pattern in _PROVIDER_SHAPES
+    ),
 )
 
 
 def find_secret(content: str) -> str | None:
     """Name the first secret rule the content matches, or None. Best effort, never the match."""
-    for name, matches in _SECRET_RULES:
-        if matches(content):
+    lowered = content.lower()  # ASCII letters lower as in to_ascii_lowercase; others do not matter
+    for name, literals, lower, matches in _SECRET_RULES:
+        text = lowered if lower else content
+        if any(literal in text for literal in literals) and matches(content):
             return name
     return None
 
@@ -752,6 +795,8 @@ def _parse_request(arguments: Mapping[str, Any] | str) -> _Request:
     """Check a tool call strictly (unknown fields, wrong JSON types, ranges) before any I/O."""
     if isinstance(arguments, str):
         try:
+            import json  # imported where used: a one-shot scan never needs it
+
             arguments = json.loads(arguments, parse_constant=_reject_constant)
         except (ValueError, RecursionError):
             raise InvalidRequest("memory request is not valid JSON") from None
@@ -948,6 +993,8 @@ def tool_definition(*, flat: bool = False) -> dict[str, Any]:
         "input_schema": input_schema,
         "output_schema": output_schema,
     }
+    import copy
+
     return copy.deepcopy(definition)  # the schema pieces are shared constants
 
 
@@ -1176,6 +1223,8 @@ def _probation_label(record: Record, now_ms: int) -> str:
 
 
 def _utc(time_ms: int) -> str:
+    import datetime  # imported where used, as the browser is
+
     return datetime.datetime.fromtimestamp(time_ms / 1000, datetime.UTC).strftime(
         "%Y-%m-%d %H:%M:%SZ"
     )
@@ -2034,7 +2083,7 @@ def _serve_mcp(tool: MemoryTool) -> None:
         else:
             result = await anyio.to_thread.run_sync(tool.call, dict(params.arguments or {}))
         return mcp.types.CallToolResult(
-            content=[mcp.types.TextContent(type="text", text=json.dumps(result))],
+            content=[mcp.types.TextContent(type="text", text=_json_line(result).strip())],
             structured_content=result,
             is_error="error" in result,
         )
@@ -2230,6 +2279,8 @@ def _parse_key_argument(text: str) -> Key:
 
 
 def _print_json(value: object) -> None:
+    import json
+
     print(json.dumps(value))
 
 
@@ -2333,6 +2384,12 @@ def _run(arguments: argparse.Namespace) -> int:
     return 0
 
 
+def _json_line(value: object) -> str:
+    import json
+
+    return json.dumps(value) + "\n"
+
+
 def _serve_lines(tool: MemoryTool) -> None:
     """`tactmem tool`: one JSON request per line on stdin, one JSON answer per line on stdout."""
     if sys.stdin is None:
@@ -2348,7 +2405,7 @@ def _serve_lines(tool: MemoryTool) -> None:
             if not line.strip():
                 continue
             answer = tool.call(line)
-        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.write(_json_line(answer))
         sys.stdout.flush()
 
 
