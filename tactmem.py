@@ -143,11 +143,12 @@ _PROVIDER_PREFIX: Final = re.compile(
     _AI,
 )
 # A value assigned to a credential-like name anywhere (`DATABASE_PASSWORD=x`, `apiToken: x`).
-_CREDENTIAL_ASSIGNMENT: Final = re.compile(
-    "(?:password|passwd|secret|token|private_key|private-key|api_key|api-key|apikey)"
-    f"[{_WS}]*[:=][{_WS}]*[^{_WS}]",
-    _AI,
-)
+_CREDENTIAL_NAMES: Final = (
+    "password", "passwd", "secret", "token", "private_key", "private-key", "api_key", "api-key",
+    "apikey",
+)  # fmt: skip
+_ASSIGNED_VALUE: Final = re.compile(f"[{_WS}]*[:=][{_WS}]*[^{_WS}]")
+_ASCII_LOWER: Final = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 # Provider shapes the reference misses (case-sensitive unless marked). Where a shape could be an
 # ordinary hyphenated name, group 1 is the token's body and must look random (a digit, or both
 # cases), so `xapp-frontend-service` is a name and `xapp-1-A0B1C2D3` a token.
@@ -582,6 +583,18 @@ def _credential_url(text: str) -> bool:
     return False
 
 
+def _credential_assignment(text: str) -> bool:
+    """A credential-like name anywhere, then `=` or `:` and something after it (rule 7)."""
+    lowered = text.translate(_ASCII_LOWER)  # same length: positions line up with `text`
+    for name in _CREDENTIAL_NAMES:
+        start = lowered.find(name)
+        while start >= 0:
+            if _ASSIGNED_VALUE.match(text, start + len(name)):
+                return True
+            start = lowered.find(name, start + 1)
+    return False
+
+
 def _looks_random(body: str) -> bool:
     return any(char.isdigit() for char in body) or body.lower() != body != body.upper()
 
@@ -613,7 +626,7 @@ _SECRET_RULES: Final[tuple[tuple[str, tuple[str, ...], bool, Callable[[str], obj
         "credential_assignment",
         ("pass", "secret", "token", "private", "api"),
         True,
-        _CREDENTIAL_ASSIGNMENT.search,
+        _credential_assignment,
     ),
     *(
         (name, literals, lowered, _provider_shape(pattern))
@@ -624,7 +637,7 @@ _SECRET_RULES: Final[tuple[tuple[str, tuple[str, ...], bool, Callable[[str], obj
 
 def find_secret(content: str) -> str | None:
     """Name the first secret rule the content matches, or None. Best effort, never the match."""
-    lowered = content.lower()  # ASCII letters lower as in to_ascii_lowercase; others do not matter
+    lowered = content.translate(_ASCII_LOWER)  # as the reference's to_ascii_lowercase
     for name, literals, lower, matches in _SECRET_RULES:
         text = lowered if lower else content
         if any(literal in text for literal in literals) and matches(content):
