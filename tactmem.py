@@ -650,6 +650,18 @@ def _hidden(content: object) -> bool:
     return not isinstance(content, str) or find_secret(content) is not None
 
 
+def _shown(record: Record) -> bool:
+    """Whether an agent or the browser may see a row: text that is not secret-shaped, and
+    integer metadata (an older or foreign writer could have stored anything)."""
+    counts = (record.created_at_ms, record.updated_at_ms, record.scan_count, record.use_count)
+    times = (record.last_scanned_at_ms, record.last_used_at_ms, record.probation_until_ms)
+    return (
+        not _hidden(record.content)
+        and all(type(value) is int for value in counts)
+        and all(value is None or type(value) is int for value in times)
+    )
+
+
 def normalized_identity(content: str) -> str:
     """The duplicate key: whitespace-separated words, lowercased, joined by one space."""
     return " ".join(word.lower() for word in _WS_RUN.split(content) if word)
@@ -1212,6 +1224,11 @@ _SORT_LABELS: Final = {
     "least": "Least useful",
 }
 _PREVIEW_GRAPHEMES: Final = 160
+# Never sent to the terminal: controls, format characters, surrogates, line and paragraph
+# separators, private-use and unassigned code points.
+_UNPRINTABLE: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn"})
+# Wide in glibc's wcwidth though Unicode calls them ambiguous or neutral, and skin tones.
+_WIDE: Final = re.compile("[\u3248-\u324f\u4dc0-\u4dff\U0001f3fb-\U0001f3ff]")
 _EXTENDERS: Final = frozenset({"Mn", "Me", "Mc"})
 _ZWJ: Final = "\u200d"
 
@@ -1238,9 +1255,11 @@ def _probation_label(record: Record, now_ms: int) -> str:
 def _utc(time_ms: int) -> str:
     import datetime  # imported where used, as the browser is
 
-    return datetime.datetime.fromtimestamp(time_ms / 1000, datetime.UTC).strftime(
-        "%Y-%m-%d %H:%M:%SZ"
-    )
+    try:
+        moment = datetime.datetime.fromtimestamp(time_ms / 1000, datetime.UTC)
+    except (ValueError, OverflowError, OSError):
+        return f"{time_ms} ms (outside the calendar)"
+    return moment.strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def _is_extender(char: str) -> bool:
@@ -1267,9 +1286,11 @@ def _drop_last_grapheme(text: str) -> str:
 
 
 def _cell_width(char: str) -> int:
-    if _is_extender(char) or unicodedata.category(char) == "Cf":
+    """Terminal cells a character may take; when terminals disagree, the larger count."""
+    category = unicodedata.category(char)
+    if category in ("Mn", "Me", "Cf") and char != "\ufe0f":
         return 0
-    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") or _WIDE.match(char) else 1
 
 
 def _fit(text: str, width: int) -> str:
@@ -1286,10 +1307,7 @@ def _fit(text: str, width: int) -> str:
 
 def _safe_line(text: str) -> str:
     """One line for a list row: controls become spaces, whitespace runs collapse."""
-    cleaned = "".join(
-        " " if unicodedata.category(char) in ("Cc", "Cf", "Cs", "Zl", "Zp") else char
-        for char in text
-    )
+    cleaned = "".join(" " if unicodedata.category(char) in _UNPRINTABLE else char for char in text)
     return " ".join(_WS_RUN.split(cleaned)).strip()
 
 
@@ -1310,7 +1328,7 @@ def _safe_block(text: str) -> list[str]:
             "    "
             if char == "\t"
             else "\ufffd"
-            if unicodedata.category(char) in ("Cc", "Cf", "Cs")
+            if unicodedata.category(char) in _UNPRINTABLE
             else char
             for char in line
         )
@@ -1349,6 +1367,8 @@ class _Browser:
     loaded: bool = False
     now_ms: int = 0
     enabled: bool | None = None  # memory enabled for agents in the selected config
+    width: int = 80  # the window, from ("size", width, height) events
+    height: int = 24
 
     def shown(self) -> list[Record]:
         """The records matching the filter, in the current sort."""
@@ -1396,12 +1416,14 @@ def _browse_step(state: _Browser, event: _Event) -> tuple[_Browser, list[_Effect
     Effects: ("load",), ("delete", key), ("quit",).
     """
     kind = event[0]
+    if kind == "size":
+        return attrs.evolve(state, width=event[1], height=event[2]), []
     if kind == "loaded":
         loaded = attrs.evolve(state, records=tuple(event[1]), now_ms=event[2], loaded=True)
-        loaded = _select(loaded)
-        if loaded.view == "detail" and loaded.current() is None:
-            loaded = attrs.evolve(loaded, view="list")
-        return loaded, []
+        if loaded.view == "detail" and state.selected not in [r.key.id for r in loaded.shown()]:
+            gone = f"Memory #{state.selected} is gone (deleted or expired)."
+            loaded = attrs.evolve(loaded, view="list", scroll=0, status=gone)
+        return _select(loaded), []
     if kind == "load_failed":
         return attrs.evolve(state, status=f"Could not load memories: {event[1]}"), []
     if kind == "deleted":
@@ -1417,7 +1439,8 @@ def _browse_step(state: _Browser, event: _Event) -> tuple[_Browser, list[_Effect
         if code == Conflict.code:
             status = f"Memory #{key.id} changed since it was loaded; reloaded, nothing deleted."
             return attrs.evolve(state, status=status), [("load",)]
-        status = f"Could not delete memory #{key.id}: {message} (d retry · r reload · Esc back)"
+        keys = "d retry · r reload · Esc back" if state.view == "detail" else "Ctrl+R reload"
+        status = f"Could not delete memory #{key.id}: {message} ({keys})"
         return attrs.evolve(state, status=status), []
     if state.deleting is not None:
         return state, []  # keys wait while a delete is under way
@@ -1445,8 +1468,10 @@ def _browse_step(state: _Browser, event: _Event) -> tuple[_Browser, list[_Effect
         steps = {"up": -1, "down": 1, "pgup": -10, "pgdn": 10}
         if name == "esc":
             return attrs.evolve(state, view="list", scroll=0, status=""), []
-        if name in steps:
-            return attrs.evolve(state, scroll=max(0, state.scroll + steps[name])), []
+        if name in steps and current is not None:
+            body = _detail_body(current, state.now_ms, state.width)
+            bottom = max(0, len(body) - max(0, state.height - 2))
+            return attrs.evolve(state, scroll=max(0, min(bottom, state.scroll + steps[name]))), []
         return state, []
     if name == "esc":
         return state, [("quit",)]
@@ -1523,7 +1548,14 @@ def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str
 def _detail_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str]]:
     record = state.current()
     assert record is not None
-    now = state.now_ms
+    body = _detail_body(record, state.now_ms, width)
+    room = max(0, height - 2)
+    start = min(state.scroll, max(0, len(body) - room))
+    return [("title", f" Memory #{record.key.id}"), *body[start : start + room]]
+
+
+def _detail_body(record: Record, now: int, width: int) -> list[tuple[str, str]]:
+    """The detail view's scrollable lines: metadata in UTC with ages, then the content."""
 
     def when(time_ms: int | None) -> str:
         return "never" if time_ms is None else f"{_utc(time_ms)} ({_age(now - time_ms)} ago)"
@@ -1548,10 +1580,7 @@ def _detail_lines(state: _Browser, width: int, height: int) -> list[tuple[str, s
         for line in _safe_block(record.content)
         for piece in _wrap(line, max(1, width - 1))
     ]
-    top = [("title", f" Memory #{record.key.id}")]
-    room = max(0, height - 2)
-    start = min(state.scroll, max(0, len(body) - room))
-    return [*top, *body[start : start + room]]
+    return body
 
 
 # ============================================================================ shell (I/O)
@@ -1748,7 +1777,7 @@ class Store:
                     chunk,
                 ):
                     record = Record.from_row(row)
-                    if not _hidden(record.content):
+                    if _shown(record):
                         found[record.key.id] = attrs.evolve(
                             record,
                             last_used_at_ms=now,
@@ -1831,7 +1860,7 @@ class Store:
             self._prune(connection, now)
             rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
             records = [Record.from_row(row) for row in rows]
-        return tuple(record for record in records if not _hidden(record.content))
+        return tuple(record for record in records if _shown(record))
 
     def _stats(self, *, now_ms: int | None = None) -> dict[str, Any]:
         """Usage against every bound (for `tactmem stats`); prunes like `list`."""
@@ -2194,7 +2223,11 @@ def _browse_loop(screen: Any, store: Store, enabled: bool | None) -> None:
             if event is not None:
                 state, more = _browse_step(state, event)
                 effects.extend(more)
+            if effect[0] == "delete":
+                curses.flushinp()  # keys held or typed during the delete are not presses
         height, width = screen.getmaxyx()
+        if (width, height) != (state.width, state.height):
+            state, _ = _browse_step(state, ("size", width, height))
         screen.erase()
         for row, (style, text) in enumerate(_browse_screen(state, width, height)):
             with contextlib.suppress(curses.error):  # the bottom-right cell cannot be written
@@ -2204,9 +2237,28 @@ def _browse_loop(screen: Any, store: Store, enabled: bool | None) -> None:
             key = screen.get_wch()
         except curses.error:
             continue
+        if key == "\x1b" and _next_key_waiting(screen):
+            continue  # Alt+key arrives as Esc then the key: neither quits nor filters
         event = _key_event(key, curses.keyname)
         if event is not None:
+            asked = state.confirm
             state, effects = _browse_step(state, event)
+            if state.confirm is not None and state.confirm != asked:
+                curses.flushinp()  # only a press after the question confirms it, not a repeat
+
+
+def _next_key_waiting(screen: Any) -> bool:
+    """Consume and report a key that is already waiting (the second half of Alt+key)."""
+    import curses
+
+    screen.nodelay(True)
+    try:
+        screen.get_wch()
+        return True
+    except curses.error:
+        return False
+    finally:
+        screen.nodelay(False)
 
 
 # ------------------------------------------------------------------------ command line

@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import types
+import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -2223,8 +2224,15 @@ def test_browser_detail_shows_metadata_in_utc_and_the_full_content() -> None:
         "Probation until: none", "line one", "    indented line two",
     ):  # fmt: skip
         assert expected in text, expected
-    state, _ = press(state, "pgdn", "pgdn", "up")
-    assert state.scroll == 19
+    long = attrs.evolve(record, content="\n".join(f"line {i}" for i in range(40)))
+    state, _ = press(loaded(long, now_ms=1_700_086_400_000), "enter")
+    state, _ = step(state, ("size", 40, 10))
+    state, _ = press(state, *["pgdn"] * 9)
+    bottom = len(tactmem._detail_body(long, state.now_ms, 40)) - 8
+    assert state.scroll == bottom  # scrolling stops at the last line
+    state, _ = press(state, "up")
+    assert state.scroll == bottom - 1  # and the first Up moves the view at once
+    assert "line 39" in screen_text(attrs.evolve(state, scroll=bottom), 40, 10)
 
 
 def test_browser_header_says_when_agents_have_no_memory() -> None:
@@ -2249,6 +2257,77 @@ TERMINAL_KEYS = {
     "up": b"\x1b[A", "down": b"\x1b[B", "enter": b"\r", "esc": b"\x1b", "delete": b"\x1b[3~",
     "ctrl-d": b"\x04", "ctrl-r": b"\x12", "backspace": b"\x7f",
 }  # fmt: skip
+
+
+def test_browser_review_fixes() -> None:
+    # A reload that loses the record on display goes back to the list and says so.
+    state, _ = press(loaded(rec(5, updated=2), rec(4, updated=1)), "enter")
+    state, _ = step(state, ("loaded", (rec(4),), 0))
+    assert (state.view, state.selected) == ("list", 4)
+    assert "Memory #5 is gone" in screen_text(state)
+    # A failed delete names the keys of the view it happened in.
+    failed = ("delete_failed", Key(4, 1), "store_busy", "busy")
+    listed, _ = step(attrs.evolve(state, deleting=Key(4, 1)), failed)
+    assert "(Ctrl+R reload)" in screen_text(listed) and "d retry" not in screen_text(listed)
+    detail, _ = press(state, "enter")
+    detail, _ = step(attrs.evolve(detail, deleting=Key(4, 1)), failed)
+    assert "(d retry · r reload · Esc back)" in screen_text(detail)
+    # Esc with a pending delete in the list cancels it and does not quit.
+    state, effects = press(state, "ctrl-d", "esc")
+    assert (effects, state.confirm) == ([], None)
+    # The filter matches ids and any case of the content.
+    state = loaded(rec(12, content="Alpha"), rec(3, content="BETA gamma"))
+    assert ids(press(state, "1", "2")[0]) == [12]
+    assert ids(press(state, "b", "E", "t")[0]) == [3]
+    # Newest and Oldest break ties by id.
+    tied = loaded(rec(1, 5), rec(2, 5), rec(3, 5))
+    assert ids(press(tied, "f")[0]) == [3, 2, 1]
+    assert ids(press(tied, "f", "f")[0]) == [1, 2, 3]
+    # Timestamps outside the calendar are shown, not fatal.
+    odd = attrs.evolve(rec(1), updated_at_ms=2**62, created_at_ms=-(10**15))
+    assert "outside the calendar" in screen_text(press(loaded(odd), "enter")[0], 100, 30)
+
+
+def test_fork_inherits_whatever_enabled_says() -> None:
+    parent = ReviewCheckpoint.start(enabled=True)
+    fork = ReviewCheckpoint.start(enabled=False, origin="forked", parent=parent)
+    assert fork.state == "follow_up"
+    disabled = ReviewCheckpoint.start(enabled=False)
+    assert (
+        ReviewCheckpoint.start(enabled=True, origin="forked", parent=disabled).state == "disabled"
+    )
+
+
+def test_rows_with_foreign_metadata_are_hidden(tiny: Store, db: Path) -> None:
+    tiny.put("well formed", now_ms=0)
+    with raw(db) as connection:
+        connection.execute(
+            "INSERT INTO memories (content, normalized_identity, created_at_ms, updated_at_ms)"
+            " VALUES ('odd row', 'odd row', 'yesterday', 1.5e20)"
+        )
+    assert [r.content for r in tiny.list(now_ms=1)] == ["well formed"]
+    assert tiny.read([2], now_ms=1) == ()
+
+
+def test_cell_widths_never_undercount_the_c_library(tmp_path: Path) -> None:
+    """Compare with glibc's wcwidth in a UTF-8 locale: tactmem may count more, never fewer."""
+    import ctypes
+    import locale
+
+    previous = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+    try:
+        wcwidth = ctypes.CDLL(None).wcwidth
+        wcwidth.argtypes, wcwidth.restype = [ctypes.c_wchar], ctypes.c_int
+        short = [
+            hex(code)
+            for code in range(0x20, 0x110000)
+            if unicodedata.category(chr(code)) not in tactmem._UNPRINTABLE
+            and wcwidth(chr(code)) > tactmem._cell_width(chr(code))
+        ]
+    finally:
+        locale.setlocale(locale.LC_CTYPE, previous)
+    assert short == []
 
 
 class Terminal:
@@ -2383,6 +2462,29 @@ def test_browse_conflicting_delete_reloads_and_keeps_the_newer_value(db: Path) -
     with Store(db) as store:
         (record,) = store.list()
     assert (record.key, record.content) == (Key(1, 2), "Deploys go out on Thursdays.")
+
+
+def test_browse_held_keys_and_alt_keys_do_not_act(db: Path) -> None:
+    with Store(db) as store:
+        for i in range(5):
+            store.put(f"record number {i}")
+    terminal = Terminal(["--db", str(db), "browse"])
+    try:
+        terminal.wait_for("record number 4")
+        terminal.press("\x04" * 6)  # Ctrl+D held down: one press, then repeats
+        terminal.wait_for("Press Ctrl+D/Delete again to confirm.")
+        terminal.pump(0.5)
+        assert len(Store(db).list()) == 5
+        terminal.press("ctrl-d")  # a separate second press deletes exactly one
+        terminal.wait_for("Deleted memory #5.")
+        terminal.press("\x1bx")  # Alt+x neither quits nor types
+        terminal.pump(0.5)
+        assert terminal.process.poll() is None and "Filter:   Sort" in terminal.text()
+        terminal.press("esc")
+        assert terminal.close() == 0
+    finally:
+        terminal.process.kill()
+    assert [r.key.id for r in Store(db).list()] == [1, 2, 3, 4]
 
 
 def test_browse_in_a_tiny_and_resized_terminal(tmp_path: Path, db: Path) -> None:
