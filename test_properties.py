@@ -7,7 +7,8 @@ bounds, probation and version conflicts are hit all the time, and checks every o
 rows on disk against a model of the reference semantics (spec/tact-reference.md §5-8).
 
 Profiles: `ci` (derandomized, no deadline) is loaded when the CI environment variable is set;
-`dev` is a longer local run: `pytest test_properties.py --hypothesis-profile=dev`.
+`dev` is a ten times longer local run: `HYPOTHESIS_PROFILE=dev pytest test_properties.py`
+(`--hypothesis-profile=dev` cannot work: the profile is registered here, not in a conftest).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ from tactmem import (
     tokenize,
 )
 
-# Hypothesis >= 6.131 registers and loads a built-in `ci` profile by itself when it detects CI;
-# older versions do not. Register ours explicitly either way, so the settings are the same on
-# every version, and load it whenever CI is set (as `.ci/run` does with CI=true).
+# Recent Hypothesis versions (6.155 here) register and load a built-in `ci` profile by themselves
+# when they detect CI; older ones do not. Register ours explicitly either way, so the settings are
+# the same on every version, and load it whenever CI is set (as `.ci/run` does with CI=true).
 settings.register_profile(
     "ci",
     derandomize=True,  # the same examples on every run: a red CI is reproducible
@@ -68,6 +69,8 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=1000, deadline=None)
 if "CI" in os.environ:
     settings.load_profile("ci")
+elif "HYPOTHESIS_PROFILE" in os.environ:
+    settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
 
 # Unicode White_Space (PropList.txt), which the spec uses for trimming and identity. Python's
 # str.split() and str.strip() also treat U+001C..U+001F as whitespace; the reference does not.
@@ -103,7 +106,22 @@ _rank_docs = st.lists(
     unique_by=lambda doc: doc[0],
 )
 
-# Content that some secret rule must reject (reference §4 shapes and SPEC §2.3 additions).
+
+def rejected_fixtures() -> tuple[str, ...]:
+    """The maintained secret fixtures (fixtures/secrets/rejected.txt): one case per line,
+    `#` comments and blank lines skipped, `\\n` and `\\t` standing for newline and tab."""
+    path = Path(__file__).parent / "fixtures" / "secrets" / "rejected.txt"
+    cases = tuple(
+        line.replace("\\n", "\n").replace("\\t", "\t")
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.startswith("#")
+    )
+    assert len(cases) >= 50, f"{path} should hold the maintained fixture set"
+    return cases
+
+
+# Content that some secret rule must reject: reference §4 shapes, SPEC §2.3 additions, and every
+# case of the maintained fixture set.
 SECRETS = (
     "password=w",
     "private_key: w",
@@ -119,6 +137,7 @@ SECRETS = (
     "-----BEGIN OPENSSH PRIVATE KEY-----",
     "sk-ant-abcdefghijkl1234",
     "glpat-abcdefghij1234567890",
+    *rejected_fixtures(),
 )
 
 
@@ -132,7 +151,7 @@ SECRETS = (
 def test_preview_is_the_longest_utf8_prefix_within_the_budget(text: str, max_bytes: int) -> None:
     """preview() is valid UTF-8, fits the byte budget, is a prefix, and cannot be longer."""
     result = preview(text, max_bytes)
-    size = len(result.encode("utf-8"))  # strict: raises on a split surrogate pair
+    size = len(result.encode("utf-8"))  # strict: raises if a lone surrogate came back
     assert size <= max_bytes
     assert text.startswith(result)
     if len(text.encode("utf-8")) <= max_bytes:
@@ -363,7 +382,7 @@ def test_normalized_identity_ignores_case(text: str) -> None:
     after=st.text(max_size=30),
 )
 def test_context_never_hides_a_secret(secret: str, before: str, after: str) -> None:
-    """A secret-shaped line is found whatever text surrounds it on other lines, and the
+    """A secret-shaped case is found whatever text surrounds it on other lines, and the
     result names a rule without echoing the secret."""
     rule = find_secret(before + "\n" + secret + "\n" + after)
     assert rule is not None
@@ -372,7 +391,8 @@ def test_context_never_hides_a_secret(secret: str, before: str, after: str) -> N
 
 @given(text=any_text)
 def test_find_secret_names_a_rule_never_the_match(text: str) -> None:
-    """find_secret() returns None or a short rule name, never content that differs per input."""
+    """find_secret() returns None or a rule name (a snake_case identifier), so it can never
+    carry the matched text."""
     rule = find_secret(text)
     assert rule is None or re.fullmatch(r"[a-z][a-z0-9_]*", rule)
 
@@ -437,8 +457,8 @@ TINY = Limits(
 )
 START_MS = 1000
 
-# A small vocabulary: duplicates (by case and spacing), scan hits and both capacities are common.
-# Eight token groups only (case variants tokenize alike), so most rows share a term.
+# A small vocabulary with few distinct terms (case variants tokenize alike): duplicates (by case
+# and spacing) are common, and most rows share a term, so scans often hit more rows than allowed.
 _STORE_WORDS = (
     "rust", "Rust", "RUST", "sqlite", "SQLite", "parse_request", "httpServer", "数据库",
     "数据库连接", "café", "x",
@@ -535,7 +555,9 @@ class Model:
     limits: Limits
     now: int = START_MS
     rows: dict[int, Record] = attrs.Factory(dict)
-    last_id: int = 0  # the highest id ever allocated; ids are never reused (SPEC §2.1)
+    # The highest id ever allocated. A new row gets last_id + 1 (the allocator of SPEC §2.1 and
+    # reference §6: max(next_id, max(id) + 1)), so ids are never reused, even after deletes.
+    last_id: int = 0
 
     def pruned(self) -> dict[int, Record]:
         """The rows left after §7's prune at `now`."""
@@ -678,6 +700,8 @@ def assert_agree(actual: object, expected: object, limits: Limits) -> None:
         assert actual == expected
 
 
+CHECKED_BEFORE_THE_DATABASE = (EmptyContent, ContentTooLarge, SecretRejected, QueryTooLarge)
+
 RECORD_COLUMNS = (
     "id, version, content, created_at_ms, updated_at_ms, last_scanned_at_ms, scan_count,"
     " last_used_at_ms, use_count, probation_until_ms"
@@ -717,11 +741,27 @@ class StoreMatchesModel(RuleBasedStateMachine):
         version = row.key.version if row is not None else 1
         return Key(doc_id, max(1, version + version_offset))
 
+    def check(self, call: Callable[[], object], expected: object) -> None:
+        """Run one store operation and compare it with the model's prediction. Input that
+        fails validation fails before the database is touched: a fresh store makes no file."""
+        existed = os.path.exists(self.path)
+        assert_agree(outcome(call), expected, TINY)
+        if isinstance(expected, Fails) and expected.error in CHECKED_BEFORE_THE_DATABASE:
+            assert existed or not os.path.exists(self.path), (
+                f"{expected.error.__name__} must be raised before the database is opened"
+            )
+
     # -------------------------------------------------------------------- rules
 
     @initialize(contents=st.lists(word_contents(), max_size=4))
     def seed(self, contents: list[str]) -> None:
-        """Start most runs with a few rows, so every rule has something to hit."""
+        """First, input that fails validation on the fresh stores: it must fail before the
+        database is touched, so no file appears. Then a few rows, so every rule has something
+        to hit."""
+        for content in ("\u3000\n", "y" * (TINY.content_bytes + 1), "password=w"):
+            self.put_edge_case(content, agent=0)
+        self.scan("z" * (TINY.query_bytes + 1), limit=1, agent=1)
+        assert not os.path.exists(self.path)
         for content in contents:
             self.put(content, agent=0)
 
@@ -730,14 +770,14 @@ class StoreMatchesModel(RuleBasedStateMachine):
         """Insert vocabulary content: the model's record (next id, version 1) or error."""
         expected = self.model.put(content, None)
         store = self.stores[agent]
-        assert_agree(outcome(lambda: store.put(content, now_ms=self.model.now)), expected, TINY)
+        self.check(lambda: store.put(content, now_ms=self.model.now), expected)
 
     @rule(content=edge_contents(), agent=agents)
     def put_edge_case(self, content: str, agent: int) -> None:
         """Insert blank, secret-shaped or large content."""
         expected = self.model.put(content, None)
         store = self.stores[agent]
-        assert_agree(outcome(lambda: store.put(content, now_ms=self.model.now)), expected, TINY)
+        self.check(lambda: store.put(content, now_ms=self.model.now), expected)
 
     @rule(
         content=st.one_of(word_contents(), word_contents(), edge_contents()),
@@ -750,8 +790,7 @@ class StoreMatchesModel(RuleBasedStateMachine):
         key = self.key(pick, version_offset)
         expected = self.model.put(content, key)
         store = self.stores[agent]
-        actual = outcome(lambda: store.put(content, replace=key, now_ms=self.model.now))
-        assert_agree(actual, expected, TINY)
+        self.check(lambda: store.put(content, replace=key, now_ms=self.model.now), expected)
 
     @rule(
         pick=st.integers(min_value=0, max_value=9),
@@ -771,8 +810,7 @@ class StoreMatchesModel(RuleBasedStateMachine):
         content = "\t" + "  ".join(original.content.split(" ")).upper() + "\n"
         expected = self.model.put(content, key)
         store = self.stores[agent]
-        actual = outcome(lambda: store.put(content, replace=key, now_ms=self.model.now))
-        assert_agree(actual, expected, TINY)
+        self.check(lambda: store.put(content, replace=key, now_ms=self.model.now), expected)
 
     @rule(
         pick=st.integers(min_value=0, max_value=9),
@@ -784,7 +822,7 @@ class StoreMatchesModel(RuleBasedStateMachine):
         key = self.key(pick, version_offset)
         expected = self.model.delete(key)
         store = self.stores[agent]
-        assert_agree(outcome(lambda: store.delete(key, now_ms=self.model.now)), expected, TINY)
+        self.check(lambda: store.delete(key, now_ms=self.model.now), expected)
 
     @rule(
         query=_store_queries,
@@ -795,8 +833,7 @@ class StoreMatchesModel(RuleBasedStateMachine):
         """Scan: the same candidates, scores and previews; telemetry on those only."""
         expected = self.model.scan(query, limit)
         store = self.stores[agent]
-        actual = outcome(lambda: store.scan(query, limit=limit, now_ms=self.model.now))
-        assert_agree(actual, expected, TINY)
+        self.check(lambda: store.scan(query, limit=limit, now_ms=self.model.now), expected)
 
     @rule(picks=st.lists(st.integers(min_value=0, max_value=9), max_size=5), agent=agents)
     def read(self, picks: list[int], agent: int) -> None:
@@ -804,14 +841,14 @@ class StoreMatchesModel(RuleBasedStateMachine):
         ids = [self.key(pick, 0).id for pick in picks]
         expected = self.model.read(ids)
         store = self.stores[agent]
-        assert_agree(outcome(lambda: store.read(ids, now_ms=self.model.now)), expected, TINY)
+        self.check(lambda: store.read(ids, now_ms=self.model.now), expected)
 
     @rule(agent=agents)
     def list_records(self, agent: int) -> None:
         """List: visible rows by id, pruned, no telemetry."""
         expected = self.model.list()
         store = self.stores[agent]
-        assert_agree(outcome(lambda: store.list(now_ms=self.model.now)), expected, TINY)
+        self.check(lambda: store.list(now_ms=self.model.now), expected)
 
     @rule(
         delta_ms=st.one_of(
@@ -934,8 +971,8 @@ class StoreMatchesModel(RuleBasedStateMachine):
         assert stat.S_IMODE(os.stat(os.path.dirname(self.path)).st_mode) == 0o700
 
 
+# max_examples comes from the profile: 100 by default and in CI (about 10 s on 2 cores).
 StoreMatchesModel.TestCase.settings = settings(
-    max_examples=100,
     stateful_step_count=50,
     deadline=None,  # every step is a real SQLite transaction with a sync to disk
     suppress_health_check=[HealthCheck.too_slow],
