@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import math
 import os
 import re
@@ -457,7 +458,8 @@ def _run_tokens(run: str) -> tuple[str, ...]:
 
 def tokenize(text: str) -> list[str]:
     """Split text into lowercase search terms, the reference's way (see the README)."""
-    return [token for run in _word_runs(text) for token in _run_tokens(run)]
+    runs = _WORD_RUN.findall(text) if text.isascii() else _word_runs(text)  # fast path: ASCII
+    return list(itertools.chain.from_iterable(map(_run_tokens, runs)))
 
 
 def _query_terms(query: str) -> list[str]:
@@ -583,9 +585,14 @@ def _credential_url(text: str) -> bool:
     return False
 
 
+def _ascii_lower(text: str) -> str:
+    """Lowercase ASCII letters only, as the reference's `to_ascii_lowercase`."""
+    return text.lower() if text.isascii() else text.translate(_ASCII_LOWER)
+
+
 def _credential_assignment(text: str) -> bool:
     """A credential-like name anywhere, then `=` or `:` and something after it (rule 7)."""
-    lowered = text.translate(_ASCII_LOWER)  # same length: positions line up with `text`
+    lowered = _ascii_lower(text)  # same length: positions line up with `text`
     for name in _CREDENTIAL_NAMES:
         start = lowered.find(name)
         while start >= 0:
@@ -637,7 +644,7 @@ _SECRET_RULES: Final[tuple[tuple[str, tuple[str, ...], bool, Callable[[str], obj
 
 def find_secret(content: str) -> str | None:
     """Name the first secret rule the content matches, or None. Best effort, never the match."""
-    lowered = content.translate(_ASCII_LOWER)  # as the reference's to_ascii_lowercase
+    lowered = _ascii_lower(content)
     for name, literals, lower, matches in _SECRET_RULES:
         text = lowered if lower else content
         if any(literal in text for literal in literals) and matches(content):
