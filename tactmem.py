@@ -119,6 +119,9 @@ _MAYBE_WORD_RUN: Final = re.compile(f"[{_WORD_CLASS}\x80-\U0010ffff]+")
 _COMBINING_MARKS: Final = frozenset({"Mn", "Mc"})
 # Han, Hiragana, Katakana (with half-width forms and supplements) and Hangul: scripts written
 # without spaces. The combining voicing marks U+3099..U+309A are left out: a mark is no character.
+# Never sent to the terminal: controls, format characters, surrogates, line and paragraph
+# separators, private-use and unassigned code points.
+_UNPRINTABLE: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn"})
 _CJK_RUN: Final = re.compile(
     "[\u1100-\u11ff\u3005\u3007\u3021-\u3029\u3038-\u303b\u3040-\u3098\u309b-\u30ff"
     "\u3130-\u318f\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f\uac00-\ud7ff"
@@ -1187,9 +1190,9 @@ def _sorted_records(records: Iterable[Record], mode: str) -> list[Record]:
 
 
 def _visible(text: str) -> str:
-    """Make stored text safe for a terminal: controls and bidi overrides become U+FFFD."""
+    """Make stored text safe for a terminal: unprintable characters become U+FFFD."""
     return "".join(
-        char if char in "\n\t" or unicodedata.category(char) not in ("Cc", "Cf", "Cs") else "\ufffd"
+        char if char in "\n\t" or unicodedata.category(char) not in _UNPRINTABLE else "\ufffd"
         for char in text
     )
 
@@ -1231,9 +1234,6 @@ _SORT_LABELS: Final = {
     "least": "Least useful",
 }
 _PREVIEW_GRAPHEMES: Final = 160
-# Never sent to the terminal: controls, format characters, surrogates, line and paragraph
-# separators, private-use and unassigned code points.
-_UNPRINTABLE: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn"})
 # Wide in glibc's wcwidth though Unicode calls them ambiguous or neutral, and skin tones.
 _WIDE: Final = re.compile("[\u3248-\u324f\u4dc0-\u4dff\U0001f3fb-\U0001f3ff]")
 _EXTENDERS: Final = frozenset({"Mn", "Me", "Mc"})
