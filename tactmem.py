@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import heapq
 import itertools
 import math
 import os
@@ -100,6 +101,7 @@ _PREVIEW_BYTES: Final = 64
 _MAX_SQL_INT: Final = 2**63 - 1
 _BM25_K1: Final = 1.2
 _BM25_B: Final = 0.75
+_CACHED_TERMS: Final = 8192  # per-term BM25 weights kept until the corpus changes
 _SORT_MODES: Final = ("useful", "newest", "oldest", "least")
 
 # Unicode White_Space, which Rust's `trim` and `split_whitespace` use. Python's `str.split()`
@@ -114,19 +116,14 @@ _WORD_CLASS: Final = (
 )
 _WORD_RUN: Final = re.compile(f"[{_WORD_CLASS}]+")
 _WORD_CHAR: Final = re.compile(f"[{_WORD_CLASS}]")
-# Runs that may hold words; non-ASCII separators and combining marks are sorted out per char.
-_MAYBE_WORD_RUN: Final = re.compile(f"[{_WORD_CLASS}\x80-\U0010ffff]+")
+# ASCII separators to spaces: an ASCII text's runs are then `text.translate(...).split()`.
+_ASCII_SEPARATORS: Final = {i: " " for i in range(128) if not re.match(r"\w", chr(i))}
+# Characters that end a run unless they are combining marks, which continue one.
+_NON_ASCII_SEPARATOR: Final = re.compile(f"[^{_WORD_CLASS}\x00-\x7f]")
 _COMBINING_MARKS: Final = frozenset({"Mn", "Mc"})
-# Han, Hiragana, Katakana (with half-width forms and supplements) and Hangul: scripts written
-# without spaces. The combining voicing marks U+3099..U+309A are left out: a mark is no character.
 # Never sent to the terminal: controls, format characters, surrogates, line and paragraph
 # separators, private-use and unassigned code points.
 _UNPRINTABLE: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn"})
-_CJK_RUN: Final = re.compile(
-    "[\u1100-\u11ff\u3005\u3007\u3021-\u3029\u3038-\u303b\u3040-\u3098\u309b-\u30ff"
-    "\u3130-\u318f\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f\uac00-\ud7ff"
-    "\uf900-\ufaff\uff66-\uffdc\U0001b000-\U0001b16f\U00020000-\U0003134f]+"
-)
 
 # ------------------------------------------------------------------------ secret rules
 # Each rule is best effort and names a shape, never the matched text. Rules marked "(ai)" match
@@ -152,7 +149,6 @@ _CREDENTIAL_NAMES: Final = (
     "apikey",
 )  # fmt: skip
 _ASSIGNED_VALUE: Final = re.compile(f"[{_WS}]*[:=][{_WS}]*[^{_WS}]")
-_ASCII_LOWER: Final = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 # Provider shapes the reference misses (case-sensitive unless marked). Where a shape could be an
 # ordinary hyphenated name, group 1 is the token's body and must look random (a digit, or both
 # cases), so `xapp-frontend-service` is a name and `xapp-1-A0B1C2D3` a token.
@@ -399,25 +395,29 @@ class ScanResult:
 # ------------------------------------------------------------------------ tokenizing
 
 
-def _word_runs(text: str) -> Iterator[str]:
-    """Yield maximal runs of word characters; combining marks continue a run, never start one."""
-    for match in _MAYBE_WORD_RUN.finditer(text):
-        chunk = match.group()
-        if chunk.isascii() or _WORD_RUN.fullmatch(chunk):
-            yield chunk
-            continue
-        start = -1  # slow path: the chunk holds a non-ASCII separator or a combining mark
-        for index, char in enumerate(chunk):
-            if _WORD_CHAR.match(char) or (
-                start >= 0 and unicodedata.category(char) in _COMBINING_MARKS
-            ):
-                if start < 0:
-                    start = index
-            elif start >= 0:
-                yield chunk[start:index]
-                start = -1
-        if start >= 0:
-            yield chunk[start:]
+def _word_runs(text: str) -> list[str]:
+    """Maximal runs of word characters; combining marks continue a run, never start one."""
+    if text.isascii():
+        return text.translate(_ASCII_SEPARATORS).split()  # the common case, in C
+    if not any(
+        unicodedata.category(char) in _COMBINING_MARKS
+        for char in set(_NON_ASCII_SEPARATOR.findall(text))
+    ):
+        return _WORD_RUN.findall(text)  # no mark outside a word, so no run to continue
+    runs = []
+    start = -1
+    for index, char in enumerate(text):
+        if _WORD_CHAR.match(char) or (
+            start >= 0 and unicodedata.category(char) in _COMBINING_MARKS
+        ):
+            if start < 0:
+                start = index
+        elif start >= 0:
+            runs.append(text[start:index])
+            start = -1
+    if start >= 0:
+        runs.append(text[start:])
+    return runs
 
 
 def _components(run: str) -> Iterator[str]:
@@ -433,7 +433,19 @@ def _components(run: str) -> Iterator[str]:
             yield piece[start:].lower()
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.cache
+def _cjk_run() -> re.Pattern[str]:
+    """Han, Hiragana, Katakana (with half-width forms and supplements) and Hangul: scripts
+    written without spaces. The combining voicing marks U+3099..U+309A are left out: a mark is
+    no character. Compiled on first use, because compiling the set takes milliseconds."""
+    return re.compile(
+        "[\u1100-\u11ff\u3005\u3007\u3021-\u3029\u3038-\u303b\u3040-\u3098\u309b-\u30ff"
+        "\u3130-\u318f\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f\uac00-\ud7ff"
+        "\uf900-\ufaff\uff66-\uffdc\U0001b000-\U0001b16f\U00020000-\U0003134f]+"
+    )
+
+
+@functools.lru_cache(maxsize=65536)  # more than the distinct runs of a full corpus
 def _run_tokens(run: str) -> tuple[str, ...]:
     """The whole run lowercased, then each new component (and CJK bigrams and pieces)."""
     if run.isascii() and run.islower() and "_" not in run:
@@ -449,10 +461,11 @@ def _run_tokens(run: str) -> tuple[str, ...]:
                 tokens.append(part)
 
     emit(_components(run))
-    if _CJK_RUN.search(run):
-        for cjk in _CJK_RUN.findall(run):
+    cjk_run = None if run.isascii() else _cjk_run()
+    if cjk_run and cjk_run.search(run):
+        for cjk in cjk_run.findall(run):
             emit([cjk] if len(cjk) == 1 else (cjk[i : i + 2] for i in range(len(cjk) - 1)))
-        for piece in _CJK_RUN.split(run):
+        for piece in cjk_run.split(run):
             if any(char.isalnum() for char in piece):  # not a lone `_` or combining mark
                 emit([piece.lower()])
                 emit(_components(piece))
@@ -461,8 +474,7 @@ def _run_tokens(run: str) -> tuple[str, ...]:
 
 def tokenize(text: str) -> list[str]:
     """Split text into lowercase search terms, the reference's way (see the README)."""
-    runs = _WORD_RUN.findall(text) if text.isascii() else _word_runs(text)  # fast path: ASCII
-    return list(itertools.chain.from_iterable(map(_run_tokens, runs)))
+    return list(itertools.chain.from_iterable(map(_run_tokens, _word_runs(text))))
 
 
 def _query_terms(query: str) -> list[str]:
@@ -474,49 +486,55 @@ def _query_terms(query: str) -> list[str]:
 
 
 class _Corpus:
-    """Token statistics of a set of documents, kept up to date one document at a time.
+    """Token statistics of a set of documents, brought up to date one changed row at a time.
 
-    `rows` remembers every document as it was added, hidden ones (see `_hidden`) included, so
-    an unchanged row is never looked at twice; only visible documents take part in ranking.
+    `rows` remembers every row as it was last seen, hidden ones (see `_hidden`) included, so an
+    unchanged row is never looked at twice; only visible documents take part in ranking.
+    Postings are kept only for terms some query asked about, so loading a corpus counts terms
+    and nothing more. Weights depend on every document's length, so they are computed per term
+    on first use and dropped on any change.
     """
 
     def __init__(self) -> None:
         self.rows: dict[int, tuple[int, object]] = {}
         self.contents: dict[int, str] = {}
-        self.term_counts: dict[int, Counter[str]] = {}
+        self.counts: dict[int, Counter[str]] = {}
         self.lengths: dict[int, int] = {}
-        self.postings: dict[str, dict[int, int]] = {}
         self.total_length = 0
-        self._weights: dict[str, list[tuple[int, float]]] = {}  # per term, until a change
+        self.postings: dict[str, dict[int, int]] = {}
+        self._ids: list[int] = []  # visible ids in order; empty until the first rank
+        self._positions: dict[int, int] = {}
+        self._norms: list[float] = []
+        self._weights: dict[str, list[tuple[int, float]]] = {}  # term -> (position, weight)
 
-    def add(self, doc_id: int, version: int, content: object) -> None:
-        self.remove(doc_id)
-        self._weights.clear()
-        self.rows[doc_id] = (version, content)
-        if not isinstance(content, str) or _hidden(content):
-            return
-        tokens = tokenize(content)
-        counts = Counter(tokens)
-        self.contents[doc_id] = content
-        self.term_counts[doc_id] = counts
-        self.lengths[doc_id] = len(tokens)
-        self.total_length += len(tokens)
-        for term, count in counts.items():
-            self.postings.setdefault(term, {})[doc_id] = count
+    def update(self, rows: Sequence[tuple[int, int, object]]) -> None:
+        """Make the statistics those of exactly these `(id, version, content)` rows."""
+        live = {doc_id for doc_id, _, _ in rows}
+        for doc_id in [doc_id for doc_id in self.rows if doc_id not in live]:
+            self._remove(doc_id)
+        changed = [row for row in rows if self.rows.get(row[0]) != (row[1], row[2])]
+        secret = _secret_rows([text if isinstance(text, str) else "" for *_, text in changed])
+        for index, (doc_id, version, content) in enumerate(changed):
+            self._remove(doc_id)
+            self.rows[doc_id] = (version, content)
+            if isinstance(content, str) and index not in secret:
+                counts = Counter(tokenize(content))
+                self.contents[doc_id] = content
+                self.counts[doc_id] = counts
+                self.lengths[doc_id] = counts.total()
+                self.total_length += self.lengths[doc_id]
+                for term in counts.keys() & self.postings.keys():
+                    self.postings[term][doc_id] = counts[term]
 
-    def remove(self, doc_id: int) -> None:
-        self._weights.clear()
+    def _remove(self, doc_id: int) -> None:
+        self._ids = []
         self.rows.pop(doc_id, None)
         self.contents.pop(doc_id, None)
-        counts = self.term_counts.pop(doc_id, None)
-        if counts is None:
-            return
-        self.total_length -= self.lengths.pop(doc_id)
-        for term in counts:
-            posting = self.postings[term]
-            del posting[doc_id]
-            if not posting:
-                del self.postings[term]
+        counts = self.counts.pop(doc_id, None)
+        if counts is not None:
+            self.total_length -= self.lengths.pop(doc_id)
+            for term in counts.keys() & self.postings.keys():
+                del self.postings[term][doc_id]
 
     def rank(self, terms: Sequence[str], limit: int) -> list[tuple[int, float]]:
         """BM25 (k1 1.2, b 0.75, idf ln(1 + (N - df + .5)/(df + .5))), best first, ties by id.
@@ -524,36 +542,47 @@ class _Corpus:
         Terms must be sorted: each document's score is summed in term order, so the floats
         are bit-identical to the reference's.
         """
-        n = len(self.lengths)
-        if limit <= 0 or n == 0 or not terms:
+        if limit <= 0 or not self.counts or not terms:
             return []
-        average_length = self.total_length / n
-        scores: dict[int, float] = {}
+        if not self._ids:  # first rank since a change
+            self._ids = sorted(self.counts)
+            self._positions = {doc_id: position for position, doc_id in enumerate(self._ids)}
+            average = self.total_length / len(self._ids)
+            self._norms = [
+                _BM25_K1 * ((1 - _BM25_B) + _BM25_B * (length / average if average else 0.0))
+                for length in map(self.lengths.__getitem__, self._ids)
+            ]
+            self._weights = {}
+        scores = [0.0] * len(self._ids)
         for term in terms:
-            posting = self.postings.get(term)
-            if not posting:
-                continue
-            weights = self._weights.get(term)
-            if weights is None:  # idf and lengths only change with the corpus: cache per term
-                df = len(posting)
-                idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
-                weights = []
-                for doc_id, tf in posting.items():
-                    ratio = self.lengths[doc_id] / average_length if average_length else 0.0
-                    norm = _BM25_K1 * ((1 - _BM25_B) + _BM25_B * ratio)
-                    weights.append((doc_id, idf * tf * (_BM25_K1 + 1) / (tf + norm)))
-                self._weights[term] = weights
-            for doc_id, weight in weights:
-                scores[doc_id] = scores.get(doc_id, 0.0) + weight
-        ranked = sorted(scores.items(), key=lambda item: (-item[1], item[0]))
-        return [item for item in ranked if item[1] > 0.0][:limit]
+            for position, weight in self._weights.get(term) or self._term_weights(term):
+                scores[position] += weight
+        best = heapq.nlargest(limit, range(len(scores)), key=scores.__getitem__)  # stable
+        return [(self._ids[position], scores[position]) for position in best if scores[position]]
+
+    def _term_weights(self, term: str) -> list[tuple[int, float]]:
+        if len(self.postings) >= _CACHED_TERMS:  # terms no document has add up
+            self.postings.clear()
+            self._weights.clear()
+        posting = self.postings.get(term)
+        if posting is None:
+            posting = {doc_id: c[term] for doc_id, c in self.counts.items() if term in c}
+            self.postings[term] = posting
+        n, df = len(self._ids), len(posting)
+        idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+        positions = [self._positions[doc_id] for doc_id in posting]
+        weights = [
+            (p, idf * tf * (_BM25_K1 + 1) / (tf + self._norms[p]))
+            for p, tf in zip(positions, posting.values(), strict=True)
+        ]
+        self._weights[term] = weights
+        return weights
 
 
 def rank(query: str, docs: Iterable[tuple[int, str]], *, limit: int = 5) -> list[tuple[int, float]]:
     """Rank `(id, text)` documents against a query with BM25; docs sharing no term are left out."""
     corpus = _Corpus()
-    for doc_id, text in docs:
-        corpus.add(doc_id, 0, text)
+    corpus.update([(doc_id, 0, text) for doc_id, text in dict(docs).items()])
     return corpus.rank(_query_terms(query), limit)
 
 
@@ -577,20 +606,24 @@ def _bearer_token(text: str) -> bool:
 
 
 def _credential_url(text: str) -> bool:
-    for word in _WS_RUN.split(text):
-        scheme_end = word.find("://")
-        if scheme_end < 0:
-            continue
-        authority = _URL_AUTHORITY_END.split(word[scheme_end + 3 :], maxsplit=1)[0]
+    """A word whose first `://` starts an authority holding `user:password@`."""
+    start = text.find("://")
+    while start >= 0:
+        space = _WS_RUN.search(text, start)
+        word_end = space.start() if space else len(text)
+        authority = _URL_AUTHORITY_END.split(text[start + 3 : word_end], maxsplit=1)[0]
         user, colon, password = authority.rpartition("@")[0].partition(":")
         if colon and user and password:
             return True
+        start = text.find("://", word_end)  # the next word's first `://`
     return False
 
 
 def _ascii_lower(text: str) -> str:
-    """Lowercase ASCII letters only, as the reference's `to_ascii_lowercase`."""
-    return text.lower() if text.isascii() else text.translate(_ASCII_LOWER)
+    """Lowercase ASCII letters only, as the reference's `to_ascii_lowercase` (and `bytes.lower`)."""
+    if text.isascii():
+        return text.lower()
+    return text.encode("utf-8", "surrogatepass").lower().decode("utf-8", "surrogatepass")
 
 
 def _credential_assignment(text: str) -> bool:
@@ -630,14 +663,14 @@ _SECRET_RULES: Final[tuple[tuple[str, tuple[str, ...], bool, Callable[[str], obj
     ("authorization_header", ("authorization",), True, _AUTHORIZATION_HEADER.search),
     ("bearer_token", ("bearer ",), True, _bearer_token),
     ("credential_url", ("://",), False, _credential_url),
-    ("provider_token", ("sk", "gh", "github", "xox", "akia"), True, _PROVIDER_PREFIX.search),
-    ("jwt", ("eyJ",), False, _jwt),
     (
-        "credential_assignment",
-        ("pass", "secret", "token", "private", "api"),
+        "provider_token",
+        ("sk-", "sk_", "ghp_", "gho_", "ghu_", "ghs_", "github_pat_", "xox", "akia"),
         True,
-        _credential_assignment,
+        _PROVIDER_PREFIX.search,
     ),
+    ("jwt", ("eyJ",), False, _jwt),
+    ("credential_assignment", _CREDENTIAL_NAMES, True, _credential_assignment),
     *(
         (name, literals, lowered, _provider_shape(pattern))
         for name, literals, lowered, pattern in _PROVIDER_SHAPES
@@ -653,6 +686,14 @@ def find_secret(content: str) -> str | None:
         if any(literal in text for literal in literals) and matches(content):
             return name
     return None
+
+
+def _secret_rows(texts: Sequence[str]) -> set[int]:
+    """The indexes of the texts `find_secret` names. A rule that matches a text also matches
+    it between newlines, so one pass over all texts joined clears a clean corpus at once."""
+    if find_secret("\n".join(texts)) is None:
+        return set()
+    return {index for index, text in enumerate(texts) if find_secret(text) is not None}
 
 
 def _hidden(content: object) -> bool:
@@ -1625,6 +1666,9 @@ _SCHEMA: Final = (
             THEN RAISE(ABORT, 'memory id was already allocated') END;
         UPDATE memory_metadata SET next_id = NEW.id + 1 WHERE id = 1 AND next_id <= NEW.id;
     END""",
+    # Rows on probation by expiry, so the prune that opens every operation reads no content.
+    """CREATE INDEX IF NOT EXISTS memories_probation ON memories (probation_until_ms)
+        WHERE probation_until_ms IS NOT NULL""",
 )
 _PRUNE: Final = (
     "DELETE FROM memories WHERE probation_until_ms IS NOT NULL"
@@ -1968,14 +2012,9 @@ class Store:
         (data_version,) = connection.execute("PRAGMA data_version").fetchone()
         if not self._stale and data_version == self._data_version:
             return
-        corpus = self._corpus
-        rows = connection.execute("SELECT id, version, content FROM memories").fetchall()
-        live = {doc_id for doc_id, _, _ in rows}
-        for doc_id in [doc_id for doc_id in corpus.rows if doc_id not in live]:
-            corpus.remove(doc_id)
-        for doc_id, version, content in rows:
-            if corpus.rows.get(doc_id) != (version, content):
-                corpus.add(doc_id, version, content)
+        self._corpus.update(
+            connection.execute("SELECT id, version, content FROM memories").fetchall()
+        )
         self._data_version = data_version
         self._stale = False
 

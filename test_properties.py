@@ -217,6 +217,43 @@ def test_tokenize_works_run_by_run(first: str, second: str) -> None:
     assert tokenize(first + " " + second) == tokenize(first) + tokenize(second)
 
 
+def _runs_char_by_char(text: str) -> list[str]:
+    """SPEC §2.2's word runs, one character at a time: word characters, with a combining mark
+    (Mn, Mc) continuing a run but never starting one."""
+    runs: list[str] = []
+    current = ""
+    for char in text:
+        if tactmem._WORD_CHAR.match(char) or (
+            current and unicodedata.category(char) in ("Mn", "Mc")
+        ):
+            current += char
+        elif current:
+            runs.append(current)
+            current = ""
+    return [*runs, current] if current else runs
+
+
+_run_text = st.one_of(
+    any_text,
+    _ascii_text,
+    # Devanagari vowel signs (Mn, Mc), a lone acute, CJK and its punctuation, circled letters.
+    st.text(
+        alphabet=st.sampled_from("ak_9 .:\t\u0915\u093f\u0937\u0301数据\uff1a。\u24b6\u3000é"),
+        max_size=30,
+    ),
+)
+
+
+@given(text=_run_text)
+@example(text="कि")
+@example(text="\u0301a\u0301 b")
+@example(text="数据库\uff1aSQLite。")
+def test_word_runs_take_their_fast_paths_only_where_they_agree(text: str) -> None:
+    """ASCII text is split by `translate` and `split`, text without a stray combining mark by
+    one regex; both give exactly the runs of the character-by-character rule."""
+    assert tactmem._word_runs(text) == _runs_char_by_char(text)
+
+
 @given(text=_ascii_text)
 @example(text="src/core/httpServer.rs parse_request")
 @example(text="HTTPServer parseHTTP2Request v2Api")
@@ -323,6 +360,34 @@ def test_rank_is_complete_bm25_and_truncates_to_a_prefix(
 def test_rank_treats_the_query_as_a_set_of_terms(query: str, docs: list[tuple[int, str]]) -> None:
     """Repeating the query (or any term in it) changes no score."""
     assert rank(query + " " + query, docs, limit=len(docs)) == rank(query, docs, limit=len(docs))
+
+
+_SECRET_DOC = st.sampled_from(["token = abc123", "use sk-abcdefghijklmnop here", "rust sqlite"])
+
+
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.dictionaries(st.integers(min_value=1, max_value=6), _rank_text | _SECRET_DOC),
+            _rank_text,
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_a_corpus_kept_up_to_date_ranks_like_a_fresh_one(
+    steps: list[tuple[dict[int, str], str]],
+) -> None:
+    """Postings and weights kept across updates (rows added, rewritten under the same version,
+    removed, turned secret-shaped and back) never drift: after every update a rank equals,
+    bit for bit, a fresh corpus's over the rows as they now are."""
+    corpus = tactmem._Corpus()
+    for docs, query in steps:
+        corpus.update([(doc_id, 1, text) for doc_id, text in docs.items()])
+        for words in (query, "rust sqlite", "token sk"):  # queried terms keep postings
+            fresh = rank(words, docs.items(), limit=len(docs))
+            assert corpus.rank(tactmem._query_terms(words), len(docs)) == fresh
+        assert set(corpus.contents) == {i for i, text in docs.items() if find_secret(text) is None}
 
 
 # ================================================================================ identity

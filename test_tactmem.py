@@ -338,6 +338,41 @@ def test_secret_prefilters_never_change_the_verdict(pieces: list[str]) -> None:
     assert find_secret(content) == unfiltered
 
 
+def credential_url_word_by_word(text: str) -> bool:
+    """Rule 4 as written first: split on whitespace, look after each word's first `://`."""
+    for word in re.split(f"[{tactmem._WS}]+", text):
+        scheme_end = word.find("://")
+        if scheme_end >= 0:
+            authority = re.split("[/?#]", word[scheme_end + 3 :], maxsplit=1)[0]
+            user, colon, password = authority.rpartition("@")[0].partition(":")
+            if colon and user and password:
+                return True
+    return False
+
+
+@settings(max_examples=500, deadline=None)
+@given(pieces=st.lists(SECRET_PIECES | st.sampled_from(["a://b", "/", "@", "#"]), max_size=12))
+def test_credential_url_search_agrees_with_the_word_split(pieces: list[str]) -> None:
+    content = "".join(pieces)
+    assert tactmem._credential_url(content) == credential_url_word_by_word(content)
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts=st.lists(st.lists(SECRET_PIECES | st.text(max_size=8), max_size=6).map("".join)))
+def test_secret_rows_of_a_corpus_are_its_secret_texts(texts: list[str]) -> None:
+    """One pass over the texts joined by newlines finds every text `find_secret` names."""
+    expected = {index for index, text in enumerate(texts) if find_secret(text) is not None}
+    assert tactmem._secret_rows(texts) == expected
+
+
+@given(text=st.text(st.characters(exclude_categories=())))
+def test_ascii_lower_lowers_ascii_letters_only(text: str) -> None:
+    lowered = tactmem._ascii_lower(text)
+    assert len(lowered) == len(text)
+    for before, after in zip(text, lowered, strict=True):
+        assert after == (before.lower() if "A" <= before <= "Z" else before)
+
+
 @pytest.mark.parametrize("content", ALLOWED)
 def test_ref27_allowed_fixture(content: str) -> None:
     assert find_secret(content) is None
@@ -766,6 +801,9 @@ def test_opens_a_database_written_by_the_v1_original(db: Path) -> None:
     (record,) = store.list(now_ms=2)
     assert record.key == Key(5, 3) and record.content == "Rust wrote this"
     assert store.put("tactmem wrote this", now_ms=2).key == Key(6, 1)
+    with raw(db) as connection:  # the prune that opens every operation reads no content
+        plan = connection.execute("EXPLAIN QUERY PLAN " + tactmem._PRUNE, (2,)).fetchall()
+    assert "USING INDEX memories_probation" in plan[-1][-1]
 
 
 def test_database_capacity_maps_sqlite_full_and_writes_nothing(db: Path) -> None:
