@@ -496,7 +496,7 @@ class _Corpus:
     """
 
     def __init__(self) -> None:
-        self.rows: dict[int, tuple[int, object]] = {}
+        self.rows: dict[int, tuple[int, int, object]] = {}  # id -> (id, version, content)
         self.contents: dict[int, str] = {}
         self.counts: dict[int, Counter[str]] = {}
         self.lengths: dict[int, int] = {}
@@ -505,18 +505,19 @@ class _Corpus:
         self._ids: list[int] = []  # visible ids in order; empty until the first rank
         self._positions: dict[int, int] = {}
         self._norms: list[float] = []
-        self._weights: dict[str, list[tuple[int, float]]] = {}  # term -> (position, weight)
+        self._weights: dict[str, tuple[list[int], list[float]]] = {}  # positions, weights
 
     def update(self, rows: Sequence[tuple[int, int, object]]) -> None:
         """Make the statistics those of exactly these `(id, version, content)` rows."""
-        live = {doc_id for doc_id, _, _ in rows}
-        for doc_id in [doc_id for doc_id in self.rows if doc_id not in live]:
+        fresh = {row[0]: row for row in rows}
+        for doc_id in self.rows.keys() - fresh.keys():
             self._remove(doc_id)
-        changed = [row for row in rows if self.rows.get(row[0]) != (row[1], row[2])]
+        changed = [row for doc_id, row in fresh.items() if self.rows.get(doc_id) != row]
         secret = _secret_rows([text if isinstance(text, str) else "" for *_, text in changed])
-        for index, (doc_id, version, content) in enumerate(changed):
+        for index, row in enumerate(changed):
+            doc_id, _, content = row
             self._remove(doc_id)
-            self.rows[doc_id] = (version, content)
+            self.rows[doc_id] = row
             if isinstance(content, str) and index not in secret:
                 counts = Counter(tokenize(content))
                 self.contents[doc_id] = content
@@ -555,12 +556,13 @@ class _Corpus:
             self._weights = {}
         scores = [0.0] * len(self._ids)
         for term in terms:
-            for position, weight in self._weights.get(term) or self._term_weights(term):
+            positions, weights = self._weights.get(term) or self._term_weights(term)
+            for position, weight in zip(positions, weights, strict=True):
                 scores[position] += weight
         best = heapq.nlargest(limit, range(len(scores)), key=scores.__getitem__)  # stable
         return [(self._ids[position], scores[position]) for position in best if scores[position]]
 
-    def _term_weights(self, term: str) -> list[tuple[int, float]]:
+    def _term_weights(self, term: str) -> tuple[list[int], list[float]]:
         if len(self.postings) >= _CACHED_TERMS:  # terms no document has add up
             self.postings.clear()
             self._weights.clear()
@@ -570,13 +572,16 @@ class _Corpus:
             self.postings[term] = posting
         n, df = len(self._ids), len(posting)
         idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
-        positions = [self._positions[doc_id] for doc_id in posting]
+        k1_plus_1 = _BM25_K1 + 1
+        positions = list(map(self._positions.__getitem__, posting))
         weights = [
-            (p, idf * tf * (_BM25_K1 + 1) / (tf + self._norms[p]))
-            for p, tf in zip(positions, posting.values(), strict=True)
+            idf * tf * k1_plus_1 / (tf + norm)
+            for tf, norm in zip(
+                posting.values(), map(self._norms.__getitem__, positions), strict=True
+            )
         ]
-        self._weights[term] = weights
-        return weights
+        self._weights[term] = (positions, weights)
+        return positions, weights
 
 
 def rank(query: str, docs: Iterable[tuple[int, str]], *, limit: int = 5) -> list[tuple[int, float]]:
@@ -1802,7 +1807,7 @@ class Store:
             ranked = self._corpus.rank(terms, max(0, min(limit, self.limits.scan_results)))
             candidates = tuple(
                 Candidate(
-                    Key(doc_id, self._corpus.rows[doc_id][0]),
+                    Key(doc_id, self._corpus.rows[doc_id][1]),
                     preview(self._corpus.contents[doc_id]),
                     score,
                 )
