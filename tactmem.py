@@ -101,13 +101,16 @@ _PREVIEW_BYTES: Final = 64
 _MAX_SQL_INT: Final = 2**63 - 1
 _BM25_K1: Final = 1.2
 _BM25_B: Final = 0.75
-_CACHED_TERMS: Final = 8192  # per-term BM25 weights kept until the corpus changes
+_CACHED_TERMS: Final = 8192  # queried terms whose postings are kept (all dropped beyond)
 _SORT_MODES: Final = ("useful", "newest", "oldest", "least")
 
 # Unicode White_Space, which Rust's `trim` and `split_whitespace` use. Python's `str.split()`
 # also splits on U+001C..U+001F; the reference does not, and identities must agree with it.
 _WS: Final = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 _WS_RUN: Final = re.compile(f"[{_WS}]+")
+# White space within a line: a line rule that let `\n` into its margins would find the same
+# lines, but would try every later line again from each line start (quadratic on blank lines).
+_WS_IN_LINE: Final = _WS.replace("\n", "")
 
 # Word characters are Rust's `char::is_alphanumeric` plus `_`. Python's `\w` is the same set
 # except for the circled and squared letters (Other_Alphabetic, category So), added here.
@@ -131,10 +134,10 @@ _UNPRINTABLE: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn"})
 _AI: Final = re.ASCII | re.IGNORECASE
 # A PEM private-key header that is a whole line: `-----BEGIN RSA PRIVATE KEY-----` (ai).
 _PEM_PRIVATE_KEY: Final = re.compile(
-    f"^[{_WS}]*-----begin .*private key-----[{_WS}]*$", _AI | re.MULTILINE
+    f"^[{_WS_IN_LINE}]*-----begin .*private key-----[{_WS_IN_LINE}]*$", _AI | re.MULTILINE
 )
 # An HTTP Authorization header at the start of a line (ai).
-_AUTHORIZATION_HEADER: Final = re.compile(f"^[{_WS}]*authorization[:=]", _AI | re.MULTILINE)
+_AUTHORIZATION_HEADER: Final = re.compile(f"^[{_WS_IN_LINE}]*authorization[:=]", _AI | re.MULTILINE)
 # `bearer ` then a token-ish run; the run is checked in code: >= 12 chars, not all letters (ai).
 _BEARER: Final = re.compile(r"bearer (?=([a-z0-9._~+/-]+))", _AI)
 # Provider token prefixes, not glued to a preceding word, with >= 12 token chars (ai).
@@ -1671,9 +1674,6 @@ _SCHEMA: Final = (
             THEN RAISE(ABORT, 'memory id was already allocated') END;
         UPDATE memory_metadata SET next_id = NEW.id + 1 WHERE id = 1 AND next_id <= NEW.id;
     END""",
-    # Rows on probation by expiry, so the prune that opens every operation reads no content.
-    """CREATE INDEX IF NOT EXISTS memories_probation ON memories (probation_until_ms)
-        WHERE probation_until_ms IS NOT NULL""",
 )
 _PRUNE: Final = (
     "DELETE FROM memories WHERE probation_until_ms IS NOT NULL"
