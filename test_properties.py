@@ -1,10 +1,19 @@
-"""Property tests for tactmem: the pure core, and `Store` against a pure model.
+"""Property tests for tactmem: the pure core, `Store` against a pure model, and fuzzing.
 
 The pure functions (`preview`, `tokenize`, `rank`, `normalized_identity`, `find_secret`, the
-bound arithmetic) are checked for the guarantees the spec makes about every input. The stateful
-machine drives a real `Store` (SQLite in a fresh temporary directory) under tiny limits, so the
-bounds, probation and version conflicts are hit all the time, and checks every outcome and the
-rows on disk against a model of the reference semantics (spec/tact-reference.md §5-8).
+bound arithmetic, the browser screen) are checked for the guarantees the reference and SPEC make
+about every input. The stateful machine drives a real `Store` (SQLite in a fresh temporary
+directory) under tiny limits, so the bounds, probation and version conflicts are hit all the time,
+and checks every outcome and the rows on disk against a model of the reference semantics
+(reference §5-8). The last section fuzzes the agent surface and the command line (hostile
+sequences of `MemoryTool.call`, any argument list to `main`) on stores kept on tmpfs if it can.
+
+Citations name documents outside this repository: "reference §N" is section N of
+`../shared/spec/tact-reference.md` (the Tact reference notes) and "SPEC §N" is section N of
+`../shared/SPEC.md`; neither file is in this repository. Where README.md states the rule a
+property checks, read it there: "How it behaves" and its "Decisions" for tokenizing, ranking,
+previews, secrets, bounds and storage, "Reliability: what is tested" for the fuzzing and the
+model check.
 
 Profiles: `ci` (derandomized, no deadline) is loaded when the CI environment variable is set;
 `dev` is a ten times longer local run: `HYPOTHESIS_PROFILE=dev pytest test_properties.py`
@@ -13,21 +22,27 @@ Profiles: `ci` (derandomized, no deadline) is loaded when the CI environment var
 
 from __future__ import annotations
 
+import io
 import itertools
+import json
 import math
 import os
 import re
 import shutil
 import sqlite3
 import stat
+import sys
 import tempfile
 import unicodedata
 import unittest.mock
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
-from hypothesis import HealthCheck, example, given, settings
+import jsonschema
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -41,6 +56,7 @@ from tactmem import (
     EmptyContent,
     Key,
     Limits,
+    MemoryTool,
     NotFound,
     QueryTooLarge,
     Record,
@@ -470,6 +486,85 @@ def test_find_secret_names_a_rule_never_the_match(text: str) -> None:
     carry the matched text."""
     rule = find_secret(text)
     assert rule is None or re.fullmatch(r"[a-z][a-z0-9_]*", rule)
+
+
+SECRET_PIECES = st.sampled_from(
+    [
+        "sk-", "SK_", "ghp_", "GITHUB_PAT_", "xoxb-", "AKIA", "Bearer ", "authorization:", "://",
+        "user:pw@", "eyJ", "password", "Secret", "tOkEn", "api-key", "private_key", "-----BEGIN ",
+        " PRIVATE KEY-----", "AIza", "glpat-", "npm_", "pypi-AgE", "hf_", "xapp-", "SG.",
+        "hooks.slack.com/services/T1/B2/x", "rk_live_", "pk_live_", "aws_secret_access_key=",
+        "AccountKey=", "\u212a", "\u0130", "=", ":", " ", "\n", "1234567890", "AbCdEfGhIj",
+    ]
+)  # fmt: skip
+
+
+@settings(max_examples=500, deadline=None)
+@given(pieces=st.lists(SECRET_PIECES | st.text(max_size=12), max_size=12))
+def test_secret_prefilters_never_change_the_verdict(pieces: list[str]) -> None:
+    """The literal pre-filters only skip work: every rule, run unfiltered, agrees."""
+    content = "".join(pieces)
+    unfiltered = next((name for name, _, _, check in tactmem._SECRET_RULES if check(content)), None)
+    assert find_secret(content) == unfiltered
+
+
+def credential_url_word_by_word(text: str) -> bool:
+    """Rule 4 (reference §4) as written first: split on whitespace, look after each word's
+    first `://`."""
+    for word in re.split(f"[{tactmem._WS}]+", text):
+        scheme_end = word.find("://")
+        if scheme_end >= 0:
+            authority = re.split("[/?#]", word[scheme_end + 3 :], maxsplit=1)[0]
+            user, colon, password = authority.rpartition("@")[0].partition(":")
+            if colon and user and password:
+                return True
+    return False
+
+
+@settings(max_examples=500, deadline=None)
+@given(pieces=st.lists(SECRET_PIECES | st.sampled_from(["a://b", "/", "@", "#"]), max_size=12))
+def test_credential_url_search_agrees_with_the_word_split(pieces: list[str]) -> None:
+    content = "".join(pieces)
+    assert tactmem._credential_url(content) == credential_url_word_by_word(content)
+
+
+LINE_PIECES = st.sampled_from(
+    [
+        "\n", "\r", " ", "\t", "\u2028", "\x85", "\u3000", "Authorization", ":", "=", "x",
+        "-----BEGIN ", "RSA ", "PRIVATE KEY-----", "-----begin ", "private key-----", "\r\n",
+    ]
+)  # fmt: skip
+
+
+@settings(max_examples=500, deadline=None)
+@given(pieces=st.lists(LINE_PIECES, max_size=12))
+def test_line_rules_find_what_margins_across_lines_would(pieces: list[str]) -> None:
+    """Rules 1 and 2 keep `\n` out of their white-space margins (so blank lines cost linear
+    time) and still find exactly the texts the reference's margins find."""
+    content = "".join(pieces)
+    ws, flags = tactmem._WS, tactmem._AI | re.MULTILINE
+    across = {
+        tactmem._PEM_PRIVATE_KEY: f"^[{ws}]*-----begin .*private key-----[{ws}]*$",
+        tactmem._AUTHORIZATION_HEADER: f"^[{ws}]*authorization[:=]",
+    }
+    for compiled, pattern in across.items():
+        assert bool(compiled.search(content)) == bool(re.search(pattern, content, flags))
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts=st.lists(st.lists(SECRET_PIECES | st.text(max_size=8), max_size=6).map("".join)))
+def test_secret_rows_of_a_corpus_are_its_secret_texts(texts: list[str]) -> None:
+    """One pass over the texts joined by newlines finds every text `find_secret` names."""
+    expected = {index for index, text in enumerate(texts) if find_secret(text) is not None}
+    assert tactmem._secret_rows(texts) == expected
+
+
+@given(text=st.text(st.characters(exclude_categories=())))
+def test_ascii_lower_lowers_ascii_letters_only(text: str) -> None:
+    lowered = tactmem._ascii_lower(text)
+    assert len(lowered) == len(text)
+    for before, after in zip(text, lowered, strict=True):
+        assert after == (before.lower() if "A" <= before <= "Z" else before)
 
 
 # ================================================================================ bounds
@@ -1100,8 +1195,8 @@ def browser_states(draw: st.DrawFn) -> tactmem._Browser:
         st.characters(codec="utf-8").map(lambda char: ("char", char)),
         _hostile_text.map(lambda text: ("paste", text)),
     )
-    for event in draw(st.lists(keys, max_size=8)):
-        state, _ = tactmem._browse_step(state, event)
+    for key_event in draw(st.lists(keys, max_size=8)):
+        state, _ = tactmem._browse_step(state, key_event)
     return state
 
 
@@ -1119,3 +1214,191 @@ def test_browser_screen_never_leaves_the_window(
         assert not any(unicodedata.category(char) in ("Cc", "Cf", "Cs") for char in text), repr(
             text
         )
+
+
+# =========================================================== agent surface and command line, fuzzed
+# Hostile sequences of tool calls to `MemoryTool.call`, and any argument list to `main`, each on a
+# real store. Their subject is parsing and validation, not durability, so the stores live on
+# tmpfs where there is one (`fast_tmp`): a disk's fsync only slows them down.
+
+OUTPUT_SCHEMA = jsonschema.Draft202012Validator(tactmem.tool_definition()["output_schema"])
+
+
+def fast_tmp() -> tempfile.TemporaryDirectory[str]:
+    """A temporary directory on tmpfs (`/dev/shm`) when that is a writable directory, else in
+    the default place, so these tests still run anywhere."""
+    shm = "/dev/shm"
+    on_tmpfs = os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK)
+    return tempfile.TemporaryDirectory(dir=shm if on_tmpfs else None)
+
+
+def raw(path: Path) -> sqlite3.Connection:
+    """A plain SQLite connection beside the store, for looking under the hood."""
+    return sqlite3.connect(path, isolation_level=None)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+    | st.text(st.characters(codec=None), max_size=40),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+NASTY_TEXT = st.lists(
+    st.text(max_size=30)
+    | st.sampled_from(["\ud800", "\udfff", "\x00", "\u202e", "数据库", "password = w", " " * 40]),
+    max_size=8,
+).map("".join)
+IDS = st.integers(1, 6) | st.integers(-(2**70), 2**70) | st.sampled_from([0, 2**63 - 1, 2**63])
+KEYS = st.fixed_dictionaries({"id": IDS, "version": st.integers(1, 3) | IDS})
+PLAIN_TEXT = st.text(st.characters(codec="utf-8"), min_size=1, max_size=60)
+WELL_FORMED = st.one_of(  # exactly the fields each operation takes, with fuzzed values
+    st.fixed_dictionaries(
+        {"operation": st.just("scan"), "query": PLAIN_TEXT | NASTY_TEXT},
+        optional={"limit": st.integers(1, 5) | IDS},
+    ),
+    st.fixed_dictionaries({"operation": st.just("read"), "ids": st.lists(IDS, max_size=8)}),
+    st.fixed_dictionaries(
+        {
+            "operation": st.just("put"),
+            "content": PLAIN_TEXT | PLAIN_TEXT | NASTY_TEXT | st.text(min_size=1000, max_size=1100),
+        },
+        optional={"replace": KEYS},
+    ),
+    st.builds(lambda key: {"operation": "delete", **key}, KEYS),
+)
+TOOL_REQUESTS = st.one_of(
+    WELL_FORMED,
+    WELL_FORMED,
+    WELL_FORMED.map(json.dumps),  # as JSON text, surrogates escaped
+    JSON_VALUES,
+    st.fixed_dictionaries(
+        {"operation": st.sampled_from(["scan", "read", "put", "delete", "Scan", ""])},
+        optional={
+            "query": JSON_VALUES, "limit": JSON_VALUES, "ids": JSON_VALUES,
+            "content": NASTY_TEXT | JSON_VALUES, "replace": JSON_VALUES, "id": JSON_VALUES,
+            "version": JSON_VALUES, "is_root": st.booleans(),
+        },
+    ),
+    st.text(st.characters(codec=None), max_size=200),
+    st.integers(1, 5000).map(lambda depth: "[" * depth * 20),
+    st.integers(1, 5000).map(lambda depth: '{"operation": "scan", "query": ' * depth),
+    st.integers(2**63, 2**200).map(lambda big: f'{{"operation": "read", "ids": [{big}]}}'),
+)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(requests=st.lists(TOOL_REQUESTS, min_size=1, max_size=8), root=st.booleans())
+def test_hostile_tool_calls_never_raise(requests: list[Any], root: bool) -> None:
+    """Nothing raises, every answer is valid output, and the store's invariants hold after.
+    Most requests are well formed, so put, read, replace, delete and the bounds are reached."""
+    with fast_tmp() as directory:
+        path = Path(directory) / "memory.sqlite3"
+        limits = Limits(records=4, total_content_bytes=1200)
+        with Store(path, limits=limits) as store:
+            tool = MemoryTool(store, root=root)
+            tool.call({"operation": "put", "content": "seed one"}, now_ms=0)  # needs a scan
+            for request in requests:
+                tool.call({"operation": "scan", "query": "seed"}, now_ms=1)  # open the put gate
+                if root:
+                    tool.call({"operation": "put", "content": f"seed {len(requests)}"}, now_ms=1)
+                    tool.call({"operation": "scan", "query": "seed"}, now_ms=1)
+                answer = tool.call(request, now_ms=1)
+                assert isinstance(answer, dict)
+                OUTPUT_SCHEMA.validate(answer)
+                json.dumps(answer)  # a well-formed JSON answer
+                event("answer: " + answer.get("error", {}).get("code", answer.get("operation", "")))
+        with raw(path) as connection:
+            assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+            rows, size = connection.execute(
+                "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0) FROM memories"
+            ).fetchone()
+        assert rows <= 4 and size <= 1200
+
+
+def test_hostile_tool_strategy_reaches_every_operation() -> None:
+    """The strategy above is not vacuous: its well-formed share succeeds at every operation."""
+    seen: Counter[str] = Counter()
+
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True)
+    @given(request=WELL_FORMED)
+    def collect(request: dict[str, Any]) -> None:
+        with (
+            fast_tmp() as directory,
+            Store(
+                Path(directory) / "m.sqlite3", limits=Limits(records=4, total_content_bytes=1200)
+            ) as store,
+        ):
+            tool = MemoryTool(store, root=True)
+            tool.call({"operation": "scan", "query": "x"}, now_ms=0)
+            tool.call({"operation": "put", "content": "existing record"}, now_ms=0)
+            tool.call({"operation": "scan", "query": "x"}, now_ms=0)
+            answer = tool.call(request, now_ms=1)
+            seen[answer.get("error", {}).get("code", answer.get("operation", ""))] += 1
+
+    collect()
+    assert {"scan", "read", "put", "delete", "invalid_request"} <= set(seen), seen
+
+
+ARGV_WORDS = st.sampled_from(
+    [
+        "scan", "read", "put", "delete", "list", "stats", "tool", "demo", "--json", "--limit",
+        "--replace", "--sort", "--child", "--help", "--version", "--db", "--config", "-", "1",
+        "0", "1@1", "2@9", "-1", "99999999999999999999", "newest", "x", "", " ", "\udcff",
+        "password = hunter22", "@", "1@", "--", "-h",
+    ]
+)  # fmt: skip
+COMMANDS = st.one_of(
+    st.tuples(NASTY_TEXT, st.sampled_from([[], ["--limit", "2"], ["--limit", "9"]]))
+    .map(lambda parts: ["scan", parts[0], *parts[1]]),
+    st.lists(st.sampled_from(["1", "2", "3", "0", "x", "99999999999999999999"]), min_size=1)
+    .map(lambda ids: ["read", *ids]),
+    st.tuples(NASTY_TEXT, st.sampled_from([[], ["--replace", "1@1"], ["--replace", "2@5"]]))
+    .map(lambda parts: ["put", parts[0], *parts[1]]),
+    st.sampled_from([["delete", "1@1"], ["delete", "2@1"], ["delete", "1@"], ["list"],
+                     ["list", "--sort", "least"], ["stats"], ["tool"], ["tool", "--child"]]),
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    argv=st.lists(ARGV_WORDS | st.text(max_size=10), max_size=7)
+    | st.tuples(st.sampled_from([[], ["--json"]]), COMMANDS).map(
+        lambda p: ["--db", "db", *p[0], *p[1]]
+    )
+)
+def test_main_never_raises_for_any_argv(argv: list[str]) -> None:
+    """Any argument list: an exit status, never an exception; the store stays within bounds."""
+    with fast_tmp() as directory:
+        # Whatever follows --db or --config names a file in this directory.
+        argv = [
+            os.path.join(directory, "named.file") if before in ("--db", "--config") else word
+            for before, word in zip(["", *argv], argv, strict=False)
+        ]
+        environment = {"HOME": directory, "TACT_HOME": directory, "TACT_CONFIG": ""}
+        saved = {name: os.environ.get(name) for name in environment}
+        saved_stdin, saved_stdout, saved_stderr = sys.stdin, sys.stdout, sys.stderr
+        os.environ.update(environment)
+        sys.stdin = io.TextIOWrapper(io.BytesIO(b'{"operation": "scan", "query": "q"}\n'))
+        sys.stdout = sys.stderr = io.StringIO()
+        cwd = os.getcwd()
+        os.chdir(directory)
+        try:
+            for _ in range(2):  # the second run meets what the first one stored
+                status = tactmem.main(argv)
+                assert status in (0, 1, 2)
+        finally:
+            os.chdir(cwd)
+            sys.stdin, sys.stdout, sys.stderr = saved_stdin, saved_stdout, saved_stderr
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        event(f"exit {status}")
+        store_file = Path(directory) / "named.file"
+        if store_file.is_file() and store_file.stat().st_size:
+            with raw(store_file) as connection:
+                assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+                (rows,) = connection.execute("SELECT COUNT(*) FROM memories").fetchone()
+            assert rows <= 512
