@@ -36,7 +36,7 @@ import tempfile
 import unicodedata
 import unittest.mock
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -615,6 +615,45 @@ def test_check_replace_admits_exactly_the_states_within_the_limits(
         assert fits
 
 
+_FOREIGN_DEADLINES = st.one_of(
+    st.none(),
+    st.integers(0, 30),
+    st.floats(0, 30, allow_nan=False),
+    st.sampled_from(["soon", "12", b"7"]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.tuples(_FOREIGN_DEADLINES, st.integers(0, 2)), max_size=8),
+    now=st.integers(0, 30),
+)
+def test_a_prune_removes_exactly_the_rows_expired_names(
+    rows: list[tuple[object, int]], now: int
+) -> None:
+    """The SQL only pre-filters (a passed deadline is necessary, and never holds for NULL,
+    text or a blob); the core's `_expired` decides, over whatever another writer stored."""
+    with fast_tmp() as directory:
+        path = Path(directory) / "m.sqlite3"
+        Store(path).list(now_ms=0)
+        connection = raw(path)
+        for index, (until, uses) in enumerate(rows):
+            connection.execute(
+                "INSERT INTO memories (content, normalized_identity, created_at_ms, updated_at_ms,"
+                " use_count, probation_until_ms) VALUES (?, ?, 0, 0, ?, ?)",
+                (f"row {index}", f"row {index}", uses, until),
+            )
+        stored = connection.execute("SELECT id, use_count, probation_until_ms FROM memories")
+        expected = [
+            doc_id
+            for doc_id, uses, until in stored.fetchall()
+            if not (type(until) in (int, float) and tactmem._expired(uses, until, now))
+        ]
+        Store(path).list(now_ms=now)
+        assert [doc_id for (doc_id,) in connection.execute("SELECT id FROM memories")] == expected
+        connection.close()
+
+
 # ================================================================================ store vs model
 
 TINY = Limits(
@@ -730,15 +769,11 @@ class Model:
     last_id: int = 0
 
     def pruned(self) -> dict[int, Record]:
-        """The rows left after §7's prune at `now`."""
+        """The rows left after §7's prune at `now`: the core's one predicate decides."""
         return {
             doc_id: row
             for doc_id, row in self.rows.items()
-            if not (
-                row.probation_until_ms is not None
-                and row.probation_until_ms <= self.now
-                and row.use_count == 0
-            )
+            if not tactmem._expired(row.use_count, row.probation_until_ms, self.now)
         }
 
     @staticmethod
@@ -1148,6 +1183,136 @@ StoreMatchesModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestStoreMatchesModel = StoreMatchesModel.TestCase
+
+
+# ================================================================================ a second backend
+# `Backend` is the whole contract between the hosts and a store. `DictBackend` keeps its rows in
+# a dict and takes every rule from the core, as a second backend must; the tool over it must
+# answer exactly as the tool over a SQLite `Store`.
+
+
+@attrs.define
+class DictBackend:
+    """An in-memory `Backend`: each operation computes new rows and keeps them only when it
+    succeeds, so it is all-or-nothing like a transaction."""
+
+    limits: Limits
+    rows: dict[int, tuple[Record, str]] = attrs.Factory(dict)  # id -> (record, identity)
+    next_id: int = 1
+    corpus: Any = attrs.Factory(tactmem._Corpus)
+
+    def pruned(self, now_ms: int) -> dict[int, tuple[Record, str]]:
+        return {
+            doc_id: (record, identity)
+            for doc_id, (record, identity) in self.rows.items()
+            if not tactmem._expired(record.use_count, record.probation_until_ms, now_ms)
+        }
+
+    def scan(self, query: str, *, limit: int = 5, now_ms: int | None = None) -> ScanResult:
+        terms, now = tactmem._scan_terms(query, self.limits), tactmem._now_ms(now_ms)
+        rows = self.pruned(now)
+        self.corpus.update([(i, r.key.version, r.content) for i, (r, _) in rows.items()])
+        plan = tactmem._plan_scan(self.corpus, terms, limit, self.limits)
+        for doc_id in plan.scanned:
+            record, identity = rows[doc_id]
+            scanned = attrs.evolve(record, last_scanned_at_ms=now, scan_count=record.scan_count + 1)
+            rows[doc_id] = (scanned, identity)
+        self.rows = rows
+        return plan.result
+
+    def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
+        wanted, now = tactmem._read_ids(ids), tactmem._now_ms(now_ms)
+        rows = self.pruned(now)
+        records = tactmem._plan_read(wanted, (rows[i][0] for i in wanted if i in rows), now)
+        rows.update((record.key.id, (record, rows[record.key.id][1])) for record in records)
+        self.rows = rows
+        return records
+
+    def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
+        put = tactmem._check_put(content, replace, self.limits, tactmem._now_ms(now_ms))
+        rows = self.pruned(put.now_ms)
+        target = rows.get(replace.id) if replace is not None else None
+        state = tactmem._PutState(
+            rows=len(rows),
+            content_bytes=sum(utf8_size(record.content) for record, _ in rows.values()),
+            next_id=self.next_id,
+            duplicate_of=next((i for i, (_, same) in rows.items() if same == put.identity), None),
+            target_version=None if target is None else target[0].key.version,
+            target_bytes=0 if target is None else utf8_size(target[0].content),
+            target_created_at_ms=0 if target is None else target[0].created_at_ms,
+        )
+        plan = tactmem._plan_put(put, state, self.limits)
+        rows[plan.record.key.id] = (plan.record, plan.identity)
+        self.rows, self.next_id = rows, max(self.next_id, plan.record.key.id + 1)
+        return plan.record
+
+    def delete(self, key: Key, *, now_ms: int | None = None) -> None:
+        current = self.rows.get(key.id)  # delete never prunes
+        tactmem._check_version(key, None if current is None else current[0].key.version)
+        del self.rows[key.id]
+
+    def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]:
+        self.rows = self.pruned(tactmem._now_ms(now_ms))
+        return tuple(
+            record for _, (record, _) in sorted(self.rows.items()) if tactmem._shown(record)
+        )
+
+
+_CALLS = st.one_of(
+    st.builds(lambda query, limit: {"operation": "scan", "query": query, "limit": limit},
+              _store_queries.filter(str.strip), st.sampled_from([1, 2, 2, 3])),
+    st.builds(lambda ids: {"operation": "read", "ids": ids},
+              st.lists(st.integers(1, 7), max_size=4)),
+    st.builds(lambda content: {"operation": "put", "content": content},  # often: bounds bind
+              word_contents() | word_contents() | edge_contents()),
+    st.builds(lambda content: {"operation": "put", "content": content}, word_contents()),
+    st.builds(lambda content, doc_id, version: {"operation": "put", "content": content,
+                                                "replace": {"id": doc_id, "version": version}},
+              word_contents(), st.integers(1, 7), st.integers(1, 3)),
+    st.builds(lambda doc_id, version: {"operation": "delete", "id": doc_id, "version": version},
+              st.integers(1, 7), st.integers(1, 3)),
+)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(_CALLS, st.sampled_from([0, 0, 0, 1, 4, 10, 11])), min_size=1, max_size=40
+    )
+)
+@example(steps=[({"operation": "put", "content": f"rust {w}"}, 0) for w in "abcde"])  # full
+@example(
+    steps=[
+        ({"operation": "put", "content": "rust one"}, 0),
+        ({"operation": "read", "ids": [1]}, 1),
+        ({"operation": "put", "content": "rust two", "replace": {"id": 1, "version": 1}}, 1),
+        ({"operation": "delete", "id": 1, "version": 1}, 1),
+        ({"operation": "delete", "id": 1, "version": 2}, 1),
+        ({"operation": "put", "content": "rust three"}, 11),
+    ]
+)
+def test_the_tool_answers_alike_over_any_backend(steps: list[tuple[dict[str, Any], int]]) -> None:
+    """The same calls through `MemoryTool` over a SQLite `Store` and over `DictBackend` get
+    the same answers, and leave the same records (tiny limits: every bound and probation is
+    hit). So the tool needs nothing of a store but `Backend`, and the core's rules are all a
+    second backend has to reuse."""
+    with fast_tmp() as directory, Store(Path(directory) / "m.sqlite3", limits=TINY) as store:
+        tools = [MemoryTool(store, root=True), MemoryTool(DictBackend(TINY), root=True)]
+        now = START_MS
+        for call, elapsed_ms in steps:
+            now += elapsed_ms
+            gate = [{"operation": "scan", "query": "rust"}] if call["operation"] == "put" else []
+            for request in [*gate, call]:  # a put follows a scan, as an agent's would
+                sqlite_answer, dict_answer = (tool.call(request, now_ms=now) for tool in tools)
+                assert sqlite_answer == dict_answer, request
+            event("answer: " + sqlite_answer.get("error", {}).get("code", call["operation"]))
+        assert store.list(now_ms=now) == tools[1].store.list(now_ms=now)
+        _, effects = tactmem._browse_step(tactmem._Browser(), ("key", "ctrl-r"))
+        sqlite_load, dict_load = (
+            tactmem._carry_out(effects[0], b) for b in (store, tools[1].store)
+        )
+        assert sqlite_load is not None and dict_load is not None  # the browser loads alike, too
+        assert sqlite_load[0] == "loaded" and sqlite_load[:2] == dict_load[:2]
 
 
 # ================================================================================ browser

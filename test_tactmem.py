@@ -959,17 +959,227 @@ def test_max_page_count_follows_each_stores_limits(db: Path) -> None:
         assert small._connect().execute("PRAGMA max_page_count").fetchone() == (8,)
 
 
+# ============================================================================ store rules
+# The core decides every store rule over values: the plans a backend carries out.
+
+
+def put_state(**changes: Any) -> tactmem._PutState:
+    """A store's state as a put reads it: empty unless `changes` say otherwise."""
+    state = {"rows": 0, "content_bytes": 0, "next_id": 1, "duplicate_of": None,
+             "target_version": None, "target_bytes": 0, "target_created_at_ms": 0}  # fmt: skip
+    return tactmem._PutState(**{**state, **changes})
+
+
+def plan_put(
+    state: tactmem._PutState, content: str = "a conclusion", replace: Key | None = None
+) -> tactmem._PutPlan:
+    return tactmem._plan_put(tactmem._check_put(content, replace, TINY, 1000), state, TINY)
+
+
+def test_check_put_checks_before_any_io_in_the_reference_order() -> None:
+    put = tactmem._check_put("  A  Conclusion ", Key(3, 2), TINY, 7)
+    assert (put.identity, put.size, put.replace, put.now_ms) == ("a conclusion", 16, Key(3, 2), 7)
+    for content, error in [(" \u3000", EmptyContent), (" " * 40, EmptyContent),
+                           ("x" * 33, ContentTooLarge), ("token=" + "w" * 30, ContentTooLarge),
+                           ("token=abcdef", SecretRejected)]:  # fmt: skip
+        with pytest.raises(error):
+            tactmem._check_put(content, None, TINY, 7)
+
+
+def test_plan_put_inserts_a_fresh_record_at_the_next_id() -> None:
+    plan = plan_put(put_state(rows=3, content_bytes=52, next_id=9))  # 52 + 12 = 64: it fits
+    assert plan.insert and plan.identity == "a conclusion"
+    assert plan.record == tactmem.Record(
+        Key(9, 1), "a conclusion", 1000, 1000, None, 0, None, 0, 1000 + TINY.probation_ms
+    )
+
+
+def test_plan_put_refuses_an_insert_in_the_reference_order() -> None:
+    for state, error in [
+        (put_state(rows=4, content_bytes=64, duplicate_of=2), Duplicate),  # duplicate first
+        (put_state(rows=4, content_bytes=64), RecordCapacity),  # then rows
+        (put_state(rows=3, content_bytes=53), ContentCapacity),  # then bytes: 53 + 12 > 64
+        (put_state(next_id=2**63), DatabaseCapacity),  # then ids left
+    ]:
+        with pytest.raises(error):
+            plan_put(state)
+    assert plan_put(put_state(next_id=2**63 - 1)).record.key == Key(2**63 - 1, 1)
+
+
+def test_plan_put_replaces_in_place_with_fresh_telemetry() -> None:
+    state = put_state(rows=4, content_bytes=64, duplicate_of=5, target_version=3,
+                      target_bytes=20, target_created_at_ms=100)  # fmt: skip
+    plan = plan_put(state, "A CONCLUSION", replace=Key(5, 3))  # its own identity may stay
+    assert not plan.insert
+    assert plan.record == tactmem.Record(
+        Key(5, 4), "A CONCLUSION", 100, 1000, None, 0, None, 0, 1000 + TINY.probation_ms
+    )  # rows are not checked on a replace, and 64 - 20 + 12 bytes fit
+
+
+def test_plan_put_refuses_a_replace_in_the_reference_order() -> None:
+    key = Key(5, 3)
+    for state, error in [
+        (put_state(duplicate_of=2), NotFound),  # not found first
+        (put_state(target_version=4, duplicate_of=2), Conflict),  # then conflict
+        (put_state(target_version=3, duplicate_of=2), Duplicate),  # then another row's identity
+        (put_state(target_version=3, content_bytes=60, target_bytes=7), ContentCapacity),
+    ]:
+        with pytest.raises(error):
+            plan_put(state, replace=key)
+    with pytest.raises(Conflict):  # no version is left above the largest
+        plan_put(put_state(target_version=2**63 - 1), replace=Key(5, 2**63 - 1))
+
+
+def test_plan_put_probation_end_saturates() -> None:
+    put = tactmem._check_put("late", None, TINY, 2**63 - 5)
+    assert tactmem._plan_put(put, put_state(), TINY).record.probation_until_ms == 2**63 - 1
+
+
+def test_plan_scan_clamps_ranks_visible_rows_and_says_why_it_abstains() -> None:
+    corpus = tactmem._Corpus()
+    texts = ["rust sqlite", "rust tokio", "python", "rust password=w"]  # 4 is secret-shaped
+    corpus.update([(doc_id, 2, text) for doc_id, text in enumerate(texts, start=1)])
+
+    def plan(query: str, limit: int = 99) -> tactmem._ScanPlan:
+        return tactmem._plan_scan(corpus, tactmem._scan_terms(query, TINY), limit, TINY)
+
+    hits = plan("rust")  # TINY.scan_results is 2: the tie breaks by id
+    assert [(card.key, card.preview) for card in hits.result.candidates] == [
+        (Key(1, 2), "rust sqlite"), (Key(2, 2), "rust tokio"),
+    ]  # fmt: skip
+    assert (hits.scanned, hits.reason, hits.result.abstained) == ((1, 2), None, False)
+    assert [card.score for card in hits.result.candidates] == [
+        score for _, score in rank("rust", enumerate(texts[:3], start=1), limit=2)
+    ]
+    assert len(plan("rust", limit=1).result.candidates) == 1
+    nothing = tactmem.ScanResult(abstained=True, candidates=())
+    for query, limit, reason in [
+        ("rust", 0, "no_room"), ("!!", 5, "no_terms"), ("haskell", 5, "no_match"),
+        ("password", 5, "no_match"),  # the secret-shaped row takes no part
+    ]:  # fmt: skip
+        empty = plan(query, limit)
+        assert (empty.result, empty.scanned, empty.reason) == (nothing, (), reason)
+    with pytest.raises(QueryTooLarge):
+        tactmem._scan_terms("q" * 17, TINY)
+
+
+def test_plan_read_marks_the_visible_rows_used_in_request_order() -> None:
+    alpha = tactmem.Record(Key(1, 1), "alpha", 0, 0, None, 0, None, 0, 50)
+    beta = tactmem.Record(Key(2, 3), "beta", 0, 0, 5, 2, 7, 4, None)
+    secret = tactmem.Record(Key(3, 1), "token=abcdefghijklmnop", 0, 0, None, 0, None, 0, None)
+    foreign = attrs.evolve(alpha, key=Key(4, 1), created_at_ms="yesterday")  # type: ignore[arg-type]
+    worn = attrs.evolve(beta, key=Key(5, 1), use_count=2**63 - 1)
+    wanted = tactmem._read_ids([2, 2, 0, 9, 1, -3, 3, 4, 5, 2**70, 1])
+    assert wanted == [2, 9, 1, 3, 4, 5]
+    records = tactmem._plan_read(wanted, [alpha, beta, secret, foreign, worn], 100)
+
+    def used(record: tactmem.Record, count: int) -> tactmem.Record:
+        return attrs.evolve(record, use_count=count, last_used_at_ms=100, probation_until_ms=None)
+
+    assert records == (
+        used(beta, 5),
+        used(alpha, 1),
+        used(worn, 2**63 - 1),  # saturates: never past SQL's integers
+    )
+
+
+def test_expired_is_unread_probation_at_or_past_its_end() -> None:
+    assert tactmem._expired(0, 10, 10) and tactmem._expired(0, 9, 10)
+    assert not tactmem._expired(0, 11, 10)  # not yet
+    assert not tactmem._expired(1, 9, 10)  # read once: kept forever
+    assert not tactmem._expired(0, None, 10)  # graduated
+
+
 # ============================================================================ core and shell
 
 
-def test_core_section_names_no_io_module() -> None:
+# What a pure section (constants, errors, values, core) must never name: modules that do I/O,
+# the builtins that do, dynamic imports, and module-level state.
+IO_MODULES = {
+    "sqlite3", "os", "io", "sys", "time", "random", "socket", "subprocess", "threading", "curses",
+    "tempfile", "shutil", "pathlib", "signal", "select", "locale", "ctypes", "multiprocessing",
+    "asyncio", "urllib", "http", "importlib", "builtins",
+}  # fmt: skip
+IO_NAMES = {"open", "print", "input", "__import__", "exec", "eval", "breakpoint", "globals"}
+CLOCK_ATTRIBUTES = {"now", "today", "utcnow"}  # datetime's clock; the core takes `now_ms`
+PURE_BANNER = re.compile(r"^# =+ ([a-z ]+) \(pure\)$|^# =+ [^\n]*$", re.MULTILINE)
+
+
+def pure_sections(source: str) -> dict[str, str]:
+    """The source of every banner section marked `(pure)`, by name."""
+    banners = list(PURE_BANNER.finditer(source))
+    return {
+        banner.group(1): source[banner.end() : following.start() if following else len(source)]
+        for banner, following in zip(banners, [*banners[1:], None], strict=True)
+        if banner.group(1)
+    }
+
+
+def impurities(source: str) -> list[str]:
+    """Every place a pure section imports, names or reaches an I/O module, reads the clock, or
+    keeps module-level state (a `global` statement)."""
+    found = []
+    for section, text in pure_sections(source).items():
+        for node in ast.walk(ast.parse(text)):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [(node.module or "").split(".")[0]]
+            elif isinstance(node, ast.Name):
+                names = [node.id] if node.id in IO_MODULES | IO_NAMES else []
+            elif isinstance(node, ast.Attribute) and node.attr in CLOCK_ATTRIBUTES:
+                names = [f"*.{node.attr}"]
+            elif isinstance(node, ast.Global):
+                names = [f"global {', '.join(node.names)}"]
+            found += [
+                f"{section} line {node.lineno}: {name}"  # type: ignore[attr-defined]
+                for name in names
+                if name.startswith(("*", "global")) or name in IO_MODULES | IO_NAMES
+            ]
+    return found
+
+
+def test_pure_sections_do_no_io() -> None:
     source = (HERE / "tactmem.py").read_text(encoding="utf-8")
-    start = source.index("# " + "=" * 76 + " core (pure)")
-    end = source.index("# " + "=" * 76 + " shell (I/O)")
-    tree = ast.parse(source[start:end])
-    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
-    io_names = {"sqlite3", "os", "sys", "time", "tempfile", "threading", "open", "print", "input"}
-    assert names & io_names == set()
+    assert set(pure_sections(source)) == {"constants", "errors", "values", "core"}
+    assert impurities(source) == []
+
+
+@pytest.mark.parametrize(
+    ("anchor", "doctored", "caught"),
+    [
+        ("def tokenize(text: str) -> list[str]:\n", "    from os import environ\n", "os"),
+        ("def tokenize(text: str) -> list[str]:\n", "    import random\n", "random"),
+        ("def tokenize(text: str) -> list[str]:\n", "    import os.path as p\n", "os"),
+        ("def preview(content: str", "", ""),  # the anchor alone: no finding
+        ("def _plan_read(", "", ""),
+        ("# " + "=" * 76 + " core (pure)\n", "import sqlite3\n", "sqlite3"),
+        ("def normalized_identity(content: str) -> str:\n", "    open('/tmp/x')\n", "open"),
+        ("def normalized_identity(content: str) -> str:\n", "    sys.stdout.write('x')\n", "sys"),
+        ("def _expired(", "", ""),
+        ("def _scan_terms(query: str, limits: Limits) -> list[str]:\n",
+         "    time.sleep(0)\n", "time"),
+        ("def _scan_terms(query: str, limits: Limits) -> list[str]:\n",
+         "    import datetime\n    datetime.datetime.now()\n", "*.now"),
+        ("def _scan_terms(query: str, limits: Limits) -> list[str]:\n",
+         "    global _CACHE\n", "global _CACHE"),
+        ("class _Browser:\n", "    sink = print\n", "print"),
+        ("_DEFAULT_LIMITS: Final = Limits()\n", "_STATE = __import__('os')\n", "__import__"),
+        ("class TactmemError(Exception):\n", "    stream = io.StringIO\n", "io"),
+    ],
+)  # fmt: skip
+def test_the_purity_check_finds_io_in_a_doctored_copy(
+    anchor: str, doctored: str, caught: str
+) -> None:
+    """The check above can fail: each line of I/O planted into a pure section is reported."""
+    source = (HERE / "tactmem.py").read_text(encoding="utf-8")
+    assert source.count(anchor) == 1, anchor
+    found = impurities(source.replace(anchor, anchor + doctored))
+    if not caught:
+        assert found == []
+    else:
+        assert found and all(finding.endswith(": " + caught) for finding in found), found
 
 
 # ============================================================================ command line
@@ -1072,6 +1282,64 @@ def test_cli_errors_are_one_line(
     assert (got, out) == (status, "")
     assert err.startswith(message) and err.count("\n") == 1
     assert "hunter22" not in err
+
+
+@pytest.mark.parametrize(
+    ("query", "abstains"),
+    [("\x1c", True), ("\x1f\x1e", True), (" \u3000 ", False), ("\t\n", False), ("x", True)],
+)
+def test_cli_checks_a_query_as_the_tool_does(
+    db: Path, capsys: pytest.CaptureFixture[str], query: str, abstains: bool
+) -> None:
+    """An empty query is one of Unicode White_Space only: U+001C..U+001F are not (Python's
+    `str.strip` says they are), so the tool and the command line both abstain on them."""
+    answer = MemoryTool(Store(db), root=True).call({"operation": "scan", "query": query})
+    status, out, err = run_cli(capsys, "--db", str(db), "--json", "scan", query)
+    if abstains:
+        assert answer == {"operation": "scan", "abstained": True, "candidates": []}
+        assert (status, json.loads(out), err) == (0, answer, "")
+    else:
+        assert answer["error"]["message"] == "memory scan query is empty"
+        assert (status, out, err) == (1, "", "tactmem: memory scan query is empty\n")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["read", "0"], ["read", "1", "9" * 19], ["delete", "1@0"], ["put", "x", "--replace", "0@1"]],
+)
+def test_cli_refuses_ids_the_tool_refuses(
+    db: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    status, out, err = run_cli(capsys, "--db", str(db), *argv)
+    assert (status, out) == (1, "")
+    assert re.fullmatch(r"tactmem: memory \w+( \w+)? (id|version) must be an integer from 1 to"
+                        r" 9223372036854775807\n", err), err  # fmt: skip
+    assert not db.exists()  # refused before the store was touched
+
+
+def test_cli_headings_use_the_browsers_probation_words(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Store(db) as store:
+        store.put("first conclusion")
+        store.put("second conclusion")
+        store.read([1])
+    status, out, _ = run_cli(capsys, "--db", str(db), "list", "--sort", "oldest")
+    headings = out.splitlines()[::2]
+    assert status == 0 and headings[0].endswith(" · no probation")
+    assert re.search(r" · probation (6d|7d)$", headings[1]), headings[1]
+
+
+def test_displayable_has_a_line_and_a_block_mode() -> None:
+    text = " \x1b[31mred\u202e\tand\u2028next\n\r line\x85 "
+    assert tactmem._displayable(text) == "\ufffd[31mred\ufffd and next line"  # \r, \x85: space
+    assert tactmem._displayable(text, block=True) == (
+        " \ufffd[31mred\ufffd    and\ufffdnext\n\ufffd line\ufffd "
+    )
+    for block in (False, True):
+        shown = tactmem._displayable("".join(map(chr, range(0x2100))), block=block)
+        unprintable = {char for char in shown if unicodedata.category(char) in tactmem._UNPRINTABLE}
+        assert unprintable == ({"\n"} if block else set())
 
 
 def test_cli_reports_unsupported_schema(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -2028,6 +2296,35 @@ def test_mcp_server_over_stdio_with_the_sdk_client(tmp_path: Path) -> None:
         assert refused == {"error": {"code": "not_root", "message": tactmem.NotRoot.message}}
     (after,) = Store(db).list()
     assert (after.key, after.content) == (kept.key, kept.content)
+
+
+def test_schema_numbers_come_from_the_limits_in_use(tmp_path: Path) -> None:
+    limits = Limits(content_bytes=16, query_bytes=8, scan_results=2)
+    definition = tool_definition(limits=limits)
+    scan, _, put, _ = definition["input_schema"]["oneOf"]
+    assert scan["properties"]["query"]["maxLength"] == 8
+    assert scan["properties"]["limit"] == {"type": "integer", "minimum": 1, "maximum": 2,
+                                           "default": 2}  # fmt: skip
+    assert put["properties"]["content"]["maxLength"] == 16
+    flat = tool_definition(flat=True, limits=limits)["input_schema"]["properties"]
+    assert flat["limit"] == scan["properties"]["limit"] and flat["content"]["maxLength"] == 16
+    scan_answer, read_answer, *_ = definition["output_schema"]["oneOf"]
+    assert scan_answer["properties"]["candidates"]["maxItems"] == 2
+    assert read_answer["properties"]["memories"]["items"]["properties"]["content"] == {
+        "type": "string", "minLength": 1, "maxLength": 16,
+    }  # fmt: skip
+    assert "returns at most two candidate cards" in definition["description"]
+    assert "returns at most five candidate cards" in DEFINITION["description"]
+    assert tool_definition(limits=Limits()) == DEFINITION
+    assert "at most 12 candidate" in tool_definition(limits=Limits(scan_results=12))["description"]
+    validator = jsonschema.Draft202012Validator(definition["input_schema"])
+    with Store(tmp_path / "m.sqlite3", limits=limits) as store:
+        tool = MemoryTool(store, root=True)
+        for limit in (2, 3):
+            request = {"operation": "scan", "query": "q", "limit": limit}
+            answer = tool.call(request)
+            assert validator.is_valid(request) == ("error" not in answer)
+        assert answer["error"]["message"] == "memory scan limit must be between 1 and 2"
 
 
 def test_flat_definition_for_hosts_that_refuse_one_of() -> None:
