@@ -881,27 +881,24 @@ def _plan_put(put: _Put, state: _PutState, limits: Limits) -> _PutPlan:
 class Backend(Protocol):
     """What `MemoryTool`, the command line and the browser need of a store.
 
-    `Store` is the SQLite backend; another one (a server's database, a remote client) keeps the
-    same promises by running each operation as one all-or-nothing transaction over the rules
-    above: check the input before any I/O (`_scan_terms`, `_check_put`, `_read_ids`); inside
-    the transaction, prune the rows `_expired` names (never in `delete`); read what the plan
-    needs; ask `_plan_scan`, `_plan_read`, `_plan_put` or `_check_version`; write exactly the
-    plan. Rows that `_shown` rejects are never returned but count against every bound. Every
-    failure is a `TactmemError` and changes nothing.
+    `Store` is the SQLite one. Another (a server's database, a remote client) keeps the same
+    promises by running each operation as one all-or-nothing transaction over the rules above
+    (private names, shared by the backends in this repository): check the input before any I/O
+    (`_scan_terms`, `_check_put`, `_read_ids`); in the transaction, prune what `_expired` names
+    (never in `delete`), read what the plan needs, ask `_plan_scan`, `_plan_read`, `_plan_put`
+    or `_check_version` (the delete plan), write exactly the plan. Rows whose content `_hidden`
+    rejects (read and list: whose metadata `_shown` rejects) count against every bound but never
+    reach an agent. Every failure is a `TactmemError` and changes nothing.
     """
 
-    limits: Limits
-
+    @property
+    def limits(self) -> Limits: ...
     def scan(self, query: str, *, limit: int = ..., now_ms: int | None = None) -> ScanResult: ...
-
     def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]: ...
-
     def put(
         self, content: str, *, replace: Key | None = None, now_ms: int | None = None
     ) -> Record: ...
-
     def delete(self, key: Key, *, now_ms: int | None = None) -> None: ...
-
     def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]: ...
 
 
@@ -1069,10 +1066,12 @@ def _closed(
 
 
 def _output_schema(limits: Limits) -> dict[str, Any]:
+    # A file may hold records written under the reference's bound; a smaller one still reads them.
+    stored_bytes = max(limits.content_bytes, _DEFAULT_LIMITS.content_bytes)
     record = _closed(
         {
             "key": _KEY_SCHEMA,
-            "content": {"type": "string", "minLength": 1, "maxLength": limits.content_bytes},
+            "content": {"type": "string", "minLength": 1, "maxLength": stored_bytes},
             "created_at_ms": {"type": "integer"},
             "updated_at_ms": {"type": "integer"},
             "last_scanned_at_ms": _NULLABLE_TIME,
@@ -1301,19 +1300,17 @@ def _sorted_records(records: Iterable[Record], mode: _Sort) -> list[Record]:
     return sorted(records, key=_SORTS[mode][1])
 
 
-def _displayable(text: str, *, block: bool = False) -> str:
+def _displayable(text: str, *, block: bool = False, mark: str = "\ufffd") -> str:
     """Stored or typed text made inert for a terminal: every unprintable character (controls,
-    escapes, bidi overrides, joiners, unassigned code points) becomes U+FFFD. As one line (the
-    default) white-space runs, line breaks included, become one space; a block keeps its line
+    escapes, bidi overrides, joiners, unassigned code points) becomes `mark`. As one line (the
+    default) white space, line breaks included, folds to single spaces; a block keeps its line
     breaks and shows a tab as four spaces."""
-    if block:
-        text, kept = text.replace("\t", "    "), "\n"
-    else:
-        text, kept = " ".join(_WS_RUN.split(text)).strip(), ""
-    return "".join(
-        char if char == kept or unicodedata.category(char) not in _UNPRINTABLE else "\ufffd"
+    text = text.replace("\t", "    ") if block else " ".join(_WS_RUN.split(text)).strip()
+    shown = "".join(
+        mark if char != "\n" and unicodedata.category(char) in _UNPRINTABLE else char
         for char in text
     )
+    return shown if block else " ".join(_WS_RUN.split(shown)).strip()
 
 
 def _age(duration_ms: int) -> str:
@@ -1484,8 +1481,11 @@ def _select(state: _Browser, position: int | None = None) -> _Browser:
     return attrs.evolve(state, selected=shown[index].key.id, index=index)
 
 
-_Event = tuple[Any, ...]  # (kind, *values); the kinds are listed in `_browse_step`
-_Effect = tuple[Any, ...]  # ("load",), ("delete", key) or ("quit",)
+_EventKind = Literal[
+    "key", "char", "paste", "size", "loaded", "load_failed", "deleted", "delete_failed"
+]
+_Event = tuple[_EventKind, *tuple[Any, ...]]  # the values of each kind: see `_browse_step`
+_Effect = tuple[Literal["load", "delete", "quit"], *tuple[Any, ...]]  # ("delete", key)
 _Step = tuple[_Browser, list[_Effect]]
 
 
@@ -1515,7 +1515,7 @@ def _delete_failed(state: _Browser, key: Key, code: str, message: str) -> _Step:
 
 
 # Events from the window and the store, each with its handler; they arrive even mid-delete.
-_ANSWERS: Final[dict[str, Callable[..., _Step]]] = {
+_ANSWERS: Final[dict[_EventKind, Callable[..., _Step]]] = {
     "size": lambda state, width, height: (attrs.evolve(state, width=width, height=height), []),
     "loaded": _loaded,
     "load_failed": lambda state, message: (
@@ -1530,7 +1530,7 @@ _Action = Literal[
 ]
 # What a key does in each view (with a step for moves and scrolling). Any other character or
 # paste types into the filter in the list, and does nothing in the detail view.
-_KEY_MAP: Final[dict[_View, dict[tuple[str, str], tuple[_Action, int]]]] = {
+_KEY_MAP: Final[dict[_View, dict[tuple[str, ...], tuple[_Action, int]]]] = {
     "list": {
         ("key", "up"): ("move", -1), ("key", "down"): ("move", 1),
         ("key", "pgup"): ("move", -5), ("key", "pgdn"): ("move", 5),
@@ -1605,7 +1605,7 @@ def _act(
         case "erase":
             return _select(attrs.evolve(state, query=_drop_last_grapheme(state.query))), []
         case "type":
-            typed = _displayable(event[1]) if event[0] == "paste" else event[1]
+            typed = _displayable(event[1], mark=" ") if event[0] == "paste" else event[1]
             return _select(attrs.evolve(state, query=state.query + typed)), []
     return state, []
 
@@ -1633,7 +1633,7 @@ def _browse_screen(state: _Browser, width: int, height: int) -> list[tuple[str, 
 
 def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str]]:
     agents = "" if state.enabled is not False else "  · memory disabled for agents"
-    query = _displayable(state.query)
+    query = _displayable(state.query, mark=" ")
     title = f" Memory · Filter: {query}  Sort: {_SORTS[state.sort][0]}{agents}"
     lines = [("title", title)]
     shown = state.shown()
@@ -1653,7 +1653,7 @@ def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str
     )
     for index, record in enumerate(shown[first : first + rows_fit], start=first):
         marker = "› " if index == position else "  "
-        text = _displayable(_first_graphemes(record.content, _PREVIEW_GRAPHEMES))
+        text = _displayable(_first_graphemes(record.content, _PREVIEW_GRAPHEMES), mark=" ")
         meta = (
             f"#{record.key.id} · v{record.key.version} · updated"
             f" {_age(state.now_ms - record.updated_at_ms)} ago · used {record.use_count}×"
@@ -1738,7 +1738,7 @@ _SCHEMA: Final = (
 _PRUNABLE: Final = (
     "SELECT id, use_count, probation_until_ms FROM memories WHERE probation_until_ms <= ?"
 )
-# What a put must know (`_PutState`), in one statement: rows, content bytes and the next id of
+# What a put must know (`_PutState`, in its field order): rows, content bytes and next id of
 # the table, the row with the same identity, and the replaced row's version, bytes and creation.
 _PUT_STATE: Final = (
     "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0),"
@@ -1848,13 +1848,11 @@ def _records(connection: sqlite3.Connection, ids: Sequence[int]) -> Iterator[Rec
 
 
 class Store:
-    """The memory store at one SQLite file, the default `Backend`. Thread-safe; nothing
-    touches disk until the first operation, and only a `TactmemError` ever leaves one.
-
-    Each operation is one `BEGIN IMMEDIATE` transaction on a connection kept open for the life
-    of the store: read what the core's plan needs, ask the core, write the plan, commit. Token
-    statistics are cached and refreshed only for rows changed since (`PRAGMA data_version`).
-    """
+    """The memory store at one SQLite file, the default `Backend`. Thread-safe; nothing touches
+    disk until the first operation, and only a `TactmemError` ever leaves one. Each operation is
+    one `BEGIN IMMEDIATE` on a connection kept open for the life of the store (read what the
+    plan needs, ask the core, write the plan, commit); token statistics are cached and refreshed
+    only for rows changed since (`PRAGMA data_version`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, limits: Limits = _DEFAULT_LIMITS) -> None:
         self.path = os.path.expanduser(os.fspath(path))
@@ -1918,9 +1916,10 @@ class Store:
         """Add a conclusion, or replace the record at `replace` if its version still matches."""
         put = _check_put(content, replace, self.limits, _now_ms(now_ms))
         target = replace.id if replace is not None and _addressable(replace.id) else None
+        values = {"identity": put.identity, "target": target}
         with self._transaction(prune_at=put.now_ms) as connection:
-            state = connection.execute(_PUT_STATE, {"identity": put.identity, "target": target})
-            plan = _plan_put(put, _PutState(*state.fetchone()), self.limits)
+            rows, size, next_id, *replaced = connection.execute(_PUT_STATE, values).fetchone()
+            plan = _plan_put(put, _PutState(rows, size, int(next_id), *replaced), self.limits)
             row = attrs.asdict(plan.record, recurse=False)
             row.update(id=plan.record.key.id, version=plan.record.key.version)
             connection.execute(_WRITE[plan.insert], {**row, "normalized_identity": plan.identity})
@@ -1932,7 +1931,7 @@ class Store:
         del now_ms  # delete records no time; the parameter keeps the API uniform
         target = key.id if _addressable(key.id) else None
         with self._transaction() as connection:
-            query = "SELECT (SELECT version FROM memories WHERE id = ?)"
+            query = "SELECT (SELECT version FROM memories WHERE id = ?)"  # NULL when none
             _check_version(key, connection.execute(query, (target,)).fetchone()[0])
             connection.execute("DELETE FROM memories WHERE id = ?", (key.id,))
             self._stale = True
@@ -2266,7 +2265,8 @@ def _browse_loop(screen: Any, store: Backend, enabled: bool | None) -> None:
         curses.curs_set(0)
     styles = {"title": curses.A_BOLD, "selected": curses.A_REVERSE, "dim": curses.A_DIM}
     screen.keypad(True)
-    state, effects = _Browser(enabled=enabled), [("load",)]
+    state = _Browser(enabled=enabled)
+    effects: list[_Effect] = [("load",)]
     while True:
         while effects:
             effect = effects.pop(0)

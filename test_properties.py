@@ -1353,7 +1353,7 @@ def browser_states(draw: st.DrawFn) -> tactmem._Browser:
     )
     state = tactmem._Browser(enabled=draw(st.sampled_from([None, True, False])))
     state, _ = tactmem._browse_step(state, ("loaded", records, draw(st.integers(0, 10**13))))
-    keys = st.one_of(
+    keys: st.SearchStrategy[tactmem._Event] = st.one_of(
         st.sampled_from(
             ["up", "down", "pgup", "pgdn", "enter", "tab", "esc", "backspace", "delete"]
         ).map(lambda name: ("key", name)),

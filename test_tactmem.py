@@ -1098,7 +1098,8 @@ def test_expired_is_unread_probation_at_or_past_its_end() -> None:
 IO_MODULES = {
     "sqlite3", "os", "io", "sys", "time", "random", "socket", "subprocess", "threading", "curses",
     "tempfile", "shutil", "pathlib", "signal", "select", "locale", "ctypes", "multiprocessing",
-    "asyncio", "urllib", "http", "importlib", "builtins",
+    "asyncio", "urllib", "http", "importlib", "builtins", "logging", "uuid", "secrets", "getpass",
+    "glob", "fcntl", "termios", "pty", "mmap", "webbrowser",
 }  # fmt: skip
 IO_NAMES = {"open", "print", "input", "__import__", "exec", "eval", "breakpoint", "globals"}
 CLOCK_ATTRIBUTES = {"now", "today", "utcnow"}  # datetime's clock; the core takes `now_ms`
@@ -1116,10 +1117,22 @@ def pure_sections(source: str) -> dict[str, str]:
 
 
 def impurities(source: str) -> list[str]:
-    """Every place a pure section imports, names or reaches an I/O module, reads the clock, or
-    keeps module-level state (a `global` statement)."""
+    """Every place a pure section imports, names or reaches an I/O module, calls into the shell
+    (names anything the I/O sections define), reads the clock, or keeps module-level state (a
+    `global` statement)."""
+    pure = pure_sections(source)
+    shell = source
+    for text in pure.values():
+        shell = shell.replace(text, "\n")
+    shell_names = {
+        target.id if isinstance(target, ast.Name) else target.name
+        for node in ast.parse(shell).body
+        for target in (node.targets if isinstance(node, ast.Assign) else [node])
+        if isinstance(target, ast.Name | ast.FunctionDef | ast.ClassDef)
+    } - {"main"}  # `main` is a shell name the pure sections list in `__all__` only as a string
+    forbidden = IO_MODULES | IO_NAMES | shell_names
     found = []
-    for section, text in pure_sections(source).items():
+    for section, text in pure.items():
         for node in ast.walk(ast.parse(text)):
             names: list[str] = []
             if isinstance(node, ast.Import):
@@ -1127,7 +1140,7 @@ def impurities(source: str) -> list[str]:
             elif isinstance(node, ast.ImportFrom):
                 names = [(node.module or "").split(".")[0]]
             elif isinstance(node, ast.Name):
-                names = [node.id] if node.id in IO_MODULES | IO_NAMES else []
+                names = [node.id] if node.id in forbidden else []
             elif isinstance(node, ast.Attribute) and node.attr in CLOCK_ATTRIBUTES:
                 names = [f"*.{node.attr}"]
             elif isinstance(node, ast.Global):
@@ -1135,7 +1148,7 @@ def impurities(source: str) -> list[str]:
             found += [
                 f"{section} line {node.lineno}: {name}"  # type: ignore[attr-defined]
                 for name in names
-                if name.startswith(("*", "global")) or name in IO_MODULES | IO_NAMES
+                if name.startswith(("*", "global")) or name in forbidden
             ]
     return found
 
@@ -1144,6 +1157,11 @@ def test_pure_sections_do_no_io() -> None:
     source = (HERE / "tactmem.py").read_text(encoding="utf-8")
     assert set(pure_sections(source)) == {"constants", "errors", "values", "core"}
     assert impurities(source) == []
+
+
+CHECK_PUT = (
+    "def _check_put(content: str, replace: Key | None, limits: Limits, now_ms: int) -> _Put:\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -1167,6 +1185,10 @@ def test_pure_sections_do_no_io() -> None:
         ("class _Browser:\n", "    sink = print\n", "print"),
         ("_DEFAULT_LIMITS: Final = Limits()\n", "_STATE = __import__('os')\n", "__import__"),
         ("class TactmemError(Exception):\n", "    stream = io.StringIO\n", "io"),
+        (CHECK_PUT, "    now_ms = _now_ms()\n", "_now_ms"),  # the core calling the shell
+        (CHECK_PUT, "    Store('/tmp/x').list()\n", "Store"),
+        (CHECK_PUT, "    import logging\n", "logging"),
+        (CHECK_PUT, "    from uuid import uuid1\n", "uuid"),
     ],
 )  # fmt: skip
 def test_the_purity_check_finds_io_in_a_doctored_copy(
@@ -1293,7 +1315,8 @@ def test_cli_checks_a_query_as_the_tool_does(
 ) -> None:
     """An empty query is one of Unicode White_Space only: U+001C..U+001F are not (Python's
     `str.strip` says they are), so the tool and the command line both abstain on them."""
-    answer = MemoryTool(Store(db), root=True).call({"operation": "scan", "query": query})
+    with Store(db) as store:
+        answer = MemoryTool(store, root=True).call({"operation": "scan", "query": query})
     status, out, err = run_cli(capsys, "--db", str(db), "--json", "scan", query)
     if abstains:
         assert answer == {"operation": "scan", "abstained": True, "candidates": []}
@@ -2308,11 +2331,14 @@ def test_schema_numbers_come_from_the_limits_in_use(tmp_path: Path) -> None:
     assert put["properties"]["content"]["maxLength"] == 16
     flat = tool_definition(flat=True, limits=limits)["input_schema"]["properties"]
     assert flat["limit"] == scan["properties"]["limit"] and flat["content"]["maxLength"] == 16
-    scan_answer, read_answer, *_ = definition["output_schema"]["oneOf"]
+    scan_answer, *_ = definition["output_schema"]["oneOf"]
     assert scan_answer["properties"]["candidates"]["maxItems"] == 2
-    assert read_answer["properties"]["memories"]["items"]["properties"]["content"] == {
-        "type": "string", "minLength": 1, "maxLength": 16,
-    }  # fmt: skip
+
+    def stored_length(limits: Limits) -> object:  # records already in a file may be longer
+        answers = tool_definition(limits=limits)["output_schema"]["oneOf"]
+        return answers[1]["properties"]["memories"]["items"]["properties"]["content"]["maxLength"]
+
+    assert (stored_length(limits), stored_length(Limits(content_bytes=4096))) == (1024, 4096)
     assert "returns at most two candidate cards" in definition["description"]
     assert "returns at most five candidate cards" in DEFINITION["description"]
     assert tool_definition(limits=Limits()) == DEFINITION
@@ -2325,6 +2351,13 @@ def test_schema_numbers_come_from_the_limits_in_use(tmp_path: Path) -> None:
             answer = tool.call(request)
             assert validator.is_valid(request) == ("error" not in answer)
         assert answer["error"]["message"] == "memory scan limit must be between 1 and 2"
+    with Store(tmp_path / "m.sqlite3") as store:  # a record written under the default bound
+        store.put("a conclusion longer than the small store's sixteen bytes")
+    with Store(tmp_path / "m.sqlite3", limits=limits) as store:
+        answer = MemoryTool(store, root=True).call({"operation": "read", "ids": [1]})
+        assert answer["memories"] and jsonschema.Draft202012Validator(
+            definition["output_schema"]
+        ).is_valid(answer)
 
 
 def test_flat_definition_for_hosts_that_refuse_one_of() -> None:
@@ -2376,11 +2409,11 @@ def loaded(*records: tactmem.Record, now_ms: int = 0, **fields: object) -> tactm
     return state
 
 
-def press(state: tactmem._Browser, *keys: str) -> tuple[tactmem._Browser, list[tuple[object, ...]]]:
+def press(state: tactmem._Browser, *keys: str) -> tuple[tactmem._Browser, list[tactmem._Effect]]:
     """Press named keys (`up`, `esc`, ...) or type single characters; collect the effects."""
-    effects: list[tuple[object, ...]] = []
+    effects: list[tactmem._Effect] = []
     for key in keys:
-        event = ("char", key) if len(key) == 1 else ("key", key)
+        event: tactmem._Event = ("char", key) if len(key) == 1 else ("key", key)
         state, more = step(state, event)
         effects += more
     return state, effects
@@ -2440,6 +2473,17 @@ def test_browser_letters_filter_while_ctrl_r_reloads() -> None:
     assert (state.query, effects, ids(state)) == ("ru", [], [1])
     state, effects = press(state, "ctrl-r")
     assert (state.query, effects) == ("ru", [("load",)])
+
+
+def test_browser_paste_filters_by_the_visible_text() -> None:
+    """A pasted control or invisible format character is a space in the filter, so what was
+    copied from a page with zero-width spaces or a stray escape still finds the record."""
+    state = loaded(rec(1, content="cache alpha beta"), rec(2, content="other"))
+    for pasted, query in [("\u200bcache", "cache"), ("alpha\x1bbeta", "alpha beta"),
+                          ("\ufeff cache\n", "cache")]:  # fmt: skip
+        typed, effects = step(state, ("paste", pasted))
+        assert (typed.query, ids(typed), effects) == (query, [1], [])
+    assert "Filter: alpha beta " in screen_text(step(state, ("paste", "alpha\u202ebeta"))[0])
 
 
 def test_browser_delete_needs_two_presses_and_sends_one_delete() -> None:
@@ -2558,7 +2602,7 @@ def test_browser_review_fixes() -> None:
     assert (state.view, state.selected) == ("list", 4)
     assert "Memory #5 is gone" in screen_text(state)
     # A failed delete names the keys of the view it happened in.
-    failed = ("delete_failed", Key(4, 1), "store_busy", "busy")
+    failed: tactmem._Event = ("delete_failed", Key(4, 1), "store_busy", "busy")
     listed, _ = step(attrs.evolve(state, deleting=Key(4, 1)), failed)
     assert "(Ctrl+R reload)" in screen_text(listed) and "d retry" not in screen_text(listed)
     detail, _ = press(state, "enter")
