@@ -9,15 +9,12 @@ records expire after seven days of probation.
 
 Requires Python >= 3.11, attrs >= 23.1 and cattrs >= 23.2. Vendoring: copy this file.
 
-Command line::
+Command line (``tactmem COMMAND --help`` for each)::
 
-    tactmem [--db PATH] [--json] scan QUERY [--limit N]
-    tactmem [--db PATH] [--json] read ID [ID ...]
-    tactmem [--db PATH] [--json] put CONTENT|- [--replace ID@VERSION]
-    tactmem [--db PATH] [--json] delete ID@VERSION
-    tactmem [--db PATH] [--json] list [--sort useful|newest|oldest|least]
-    tactmem [--db PATH] [--json] stats
-    tactmem demo
+    tactmem [--config PATH | --db PATH] [--json] COMMAND
+      scan QUERY [--limit N] | read ID [ID ...] | put CONTENT|- [--replace ID@VERSION]
+      delete ID@VERSION | list [--sort useful|newest|oldest|least] | stats | browse
+      tool [--child] | mcp [--child] | demo
 """
 
 # tactmem is released under the MIT licence; keep this notice in vendored copies.
@@ -40,7 +37,7 @@ import time
 import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Final, Literal, NoReturn, Protocol
+from typing import Any, ClassVar, Final, Literal, NamedTuple, NoReturn, Protocol
 
 import attrs
 
@@ -707,8 +704,9 @@ def _utf8_length(text: str, what: str) -> int:
 
 
 # ------------------------------------------------------------------------ store rules
-# Every rule of a store, decided over values that the shell reads inside the operation's one
-# transaction: a backend reads what a plan needs, asks the functions here, and writes the plan.
+# Every rule of a store, over values the shell reads in the operation's one transaction: a
+# backend reads what a plan needs, asks here, writes the plan. Plans and snapshots are frozen
+# NamedTuples (a fraction of an attrs class's cost to make, at import and per operation).
 
 
 def _addressable(doc_id: int) -> bool:
@@ -752,8 +750,7 @@ def _check_version(expected: Key, current_version: int | None) -> int:
 _Abstention = Literal["no_terms", "no_room", "no_match"]  # no term, a limit below 1, no overlap
 
 
-@attrs.frozen
-class _ScanPlan:
+class _ScanPlan(NamedTuple):
     """What a scan returns, the rows it marks scanned, and why it abstained (if it did)."""
 
     result: ScanResult
@@ -777,9 +774,9 @@ def _plan_scan(corpus: _Corpus, terms: Sequence[str], limit: int, limits: Limits
         Candidate(Key(doc_id, corpus.rows[doc_id][1]), preview(corpus.contents[doc_id]), score)
         for doc_id, score in ranked
     )
-    reason: _Abstention | None = None
-    if not cards:
-        reason = "no_terms" if not terms else "no_room" if not room else "no_match"
+    reason: _Abstention | None = (
+        None if cards else "no_terms" if not terms else "no_room" if not room else "no_match"
+    )
     return _ScanPlan(ScanResult(not cards, cards), tuple(doc_id for doc_id, _ in ranked), reason)
 
 
@@ -804,15 +801,17 @@ def _plan_read(wanted: Sequence[int], rows: Iterable[Record], now_ms: int) -> tu
     return tuple(found[doc_id] for doc_id in wanted if doc_id in found)
 
 
-@attrs.frozen
-class _Put:
+class _Put(NamedTuple):
     """A put checked before any I/O."""
 
-    content: str = attrs.field(repr=False)
-    identity: str = attrs.field(repr=False)
+    content: str
+    identity: str  # its normalized form
     size: int
     replace: Key | None
     now_ms: int
+
+    def __repr__(self) -> str:  # never the content
+        return f"_Put(size={self.size}, replace={self.replace}, now_ms={self.now_ms})"
 
 
 def _check_put(content: str, replace: Key | None, limits: Limits, now_ms: int) -> _Put:
@@ -829,8 +828,7 @@ def _check_put(content: str, replace: Key | None, limits: Limits, now_ms: int) -
     return _Put(content, identity, size, replace, now_ms)
 
 
-@attrs.frozen
-class _PutState:
+class _PutState(NamedTuple):
     """What a put must know of the store, read in its transaction after the prune."""
 
     rows: int
@@ -842,12 +840,10 @@ class _PutState:
     target_created_at_ms: int
 
 
-@attrs.frozen
-class _PutPlan:
-    """The row to write: inserted with a fresh id, or updated in place."""
+class _PutPlan(NamedTuple):
+    """The record to write: inserted at a fresh id, or updated in place."""
 
     record: Record
-    identity: str = attrs.field(repr=False)
     insert: bool
 
 
@@ -872,24 +868,22 @@ def _plan_put(put: _Put, state: _PutState, limits: Limits) -> _PutPlan:
         key, created = Key(put.replace.id, version + 1), state.target_created_at_ms
     probation = min(put.now_ms + limits.probation_ms, _MAX_SQL_INT)
     record = Record(key, put.content, created, put.now_ms, None, 0, None, 0, probation)
-    return _PutPlan(record, put.identity, insert=put.replace is None)
+    return _PutPlan(record, insert=put.replace is None)
 
 
 # ------------------------------------------------------------------------ the storage boundary
 
 
 class Backend(Protocol):
-    """What `MemoryTool`, the command line and the browser need of a store.
+    """What `MemoryTool`, the command line and the browser need of a store; `Store` is one.
 
-    `Store` is the SQLite one. Another (a server's database, a remote client) keeps the same
-    promises by running each operation as one all-or-nothing transaction over the rules above
-    (private names, shared by the backends in this repository): check the input before any I/O
-    (`_scan_terms`, `_check_put`, `_read_ids`); in the transaction, prune what `_expired` names
+    Another keeps the same promises by running each operation as one all-or-nothing transaction
+    over the rules above (private names, shared by this repository's backends): check the input
+    before any I/O (`_scan_terms`, `_check_put`, `_read_ids`); then prune what `_expired` names
     (never in `delete`), read what the plan needs, ask `_plan_scan`, `_plan_read`, `_plan_put`
-    or `_check_version` (the delete plan), write exactly the plan. Rows whose content `_hidden`
-    rejects (read and list: whose metadata `_shown` rejects) count against every bound but never
-    reach an agent. Every failure is a `TactmemError` and changes nothing.
-    """
+    or `_check_version` (the delete plan), and write exactly the plan. Rows that `_hidden` (read
+    and list: `_shown`) rejects count against every bound but never reach an agent. Every
+    failure is a `TactmemError` and changes nothing."""
 
     @property
     def limits(self) -> Limits: ...
@@ -1013,8 +1007,7 @@ def _parse_request(arguments: Mapping[str, Any] | str, limits: Limits) -> _Reque
 
 
 def _answer(request: _Request, value: Any) -> dict[str, Any]:
-    """The tool's answer to a request that succeeded, in the reference's shapes: what an agent
-    receives, what MCP sends and what the command line's `--json` prints."""
+    """The tool's answer to a request that succeeded, as MCP sends it and `--json` prints it."""
     if request.operation == "scan":
         return {"operation": "scan", **_to_json(value)}
     if request.operation == "read":
@@ -1528,8 +1521,7 @@ _ANSWERS: Final[dict[_EventKind, Callable[..., _Step]]] = {
 _Action = Literal[
     "delete", "reload", "quit", "back", "move", "scroll", "open", "sort", "erase", "type", "ignore"
 ]
-# What a key does in each view (with a step for moves and scrolling). Any other character or
-# paste types into the filter in the list, and does nothing in the detail view.
+# What each key does in each view (and how far); other characters and pastes filter the list.
 _KEY_MAP: Final[dict[_View, dict[tuple[str, ...], tuple[_Action, int]]]] = {
     "list": {
         ("key", "up"): ("move", -1), ("key", "down"): ("move", 1),
@@ -1738,28 +1730,30 @@ _SCHEMA: Final = (
 _PRUNABLE: Final = (
     "SELECT id, use_count, probation_until_ms FROM memories WHERE probation_until_ms <= ?"
 )
-# What a put must know (`_PutState`, in its field order): rows, content bytes and next id of
-# the table, the row with the same identity, and the replaced row's version, bytes and creation.
-_PUT_STATE: Final = (
+# What a put reads for its `_PutState`: rows, content bytes and next id; the row with the same
+# identity; the replaced row's version, bytes and creation time.
+_PUT_READS: Final = (
     "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0),"
-    " MAX(COALESCE(MAX(id), 0) + 1, (SELECT MAX(next_id) FROM memory_metadata)),"
-    " (SELECT id FROM memories WHERE normalized_identity = :identity),"
-    " (SELECT version FROM memories WHERE id = :target),"
-    " COALESCE((SELECT length(CAST(content AS BLOB)) FROM memories WHERE id = :target), 0),"
-    " COALESCE((SELECT created_at_ms FROM memories WHERE id = :target), 0)"
-    " FROM memories"
+    " MAX(COALESCE(MAX(id), 0) + 1, (SELECT MAX(next_id) FROM memory_metadata)) FROM memories",
+    "SELECT id FROM memories WHERE normalized_identity = ?",
+    "SELECT version, COALESCE(length(CAST(content AS BLOB)), 0), created_at_ms FROM memories"
+    " WHERE id = ?",
 )
-_COLUMNS: Final = (
-    "id", "version", "content", "normalized_identity", "created_at_ms", "updated_at_ms",
-    "last_scanned_at_ms", "scan_count", "last_used_at_ms", "use_count", "probation_until_ms",
-)  # fmt: skip
-_RECORD_COLUMNS: Final = ", ".join(name for name in _COLUMNS if name != "normalized_identity")
-_WRITE: Final = {  # a `_PutPlan`'s row: inserted, or every column but the id updated
-    True: f"INSERT INTO memories ({', '.join(_COLUMNS)})"
-    f" VALUES ({', '.join(':' + name for name in _COLUMNS)})",
-    False: f"UPDATE memories SET {', '.join(f'{name} = :{name}' for name in _COLUMNS[1:])}"
-    " WHERE id = :id",
-}
+_RECORD_COLUMNS: Final = (
+    "id, version, content, created_at_ms, updated_at_ms, last_scanned_at_ms, scan_count,"
+    " last_used_at_ms, use_count, probation_until_ms"
+)
+# A `_PutPlan` written: an insert leaves the telemetry columns at their defaults (the fresh
+# telemetry `_plan_put` gives every record); an update sets every column that can change.
+_INSERT: Final = (
+    "INSERT INTO memories (id, version, content, normalized_identity, created_at_ms,"
+    " updated_at_ms, probation_until_ms) VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_UPDATE: Final = (
+    "UPDATE memories SET version = ?, content = ?, normalized_identity = ?, updated_at_ms = ?,"
+    " last_scanned_at_ms = ?, scan_count = ?, last_used_at_ms = ?, use_count = ?,"
+    " probation_until_ms = ? WHERE id = ?"
+)
 _SQL_CHUNK: Final = 500  # ids bound per `IN (...)`, under every SQLite variable limit
 
 
@@ -1887,8 +1881,7 @@ class Store:
         self, query: str, *, limit: int = _DEFAULT_LIMITS.scan_results, now_ms: int | None = None
     ) -> ScanResult:
         """Rank visible records; only the returned candidates get scan telemetry."""
-        terms = _scan_terms(query, self.limits)
-        now = _now_ms(now_ms)
+        terms, now = _scan_terms(query, self.limits), _now_ms(now_ms)
         with self._transaction(prune_at=now) as connection:
             self._sync(connection)
             plan = _plan_scan(self._corpus, terms, limit, self.limits)
@@ -1901,8 +1894,7 @@ class Store:
 
     def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
         """Full records in input order, de-duplicated, missing ones omitted; marks them used."""
-        wanted = _read_ids(ids)
-        now = _now_ms(now_ms)
+        wanted, now = _read_ids(ids), _now_ms(now_ms)
         with self._transaction(prune_at=now) as connection:
             records = _plan_read(wanted, _records(connection, wanted), now)
             connection.executemany(
@@ -1915,14 +1907,22 @@ class Store:
     def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
         """Add a conclusion, or replace the record at `replace` if its version still matches."""
         put = _check_put(content, replace, self.limits, _now_ms(now_ms))
-        target = replace.id if replace is not None and _addressable(replace.id) else None
-        values = {"identity": put.identity, "target": target}
+        target = (replace.id,) if replace is not None and _addressable(replace.id) else None
+        totals, duplicate, replaced = _PUT_READS
         with self._transaction(prune_at=put.now_ms) as connection:
-            rows, size, next_id, *replaced = connection.execute(_PUT_STATE, values).fetchone()
-            plan = _plan_put(put, _PutState(rows, size, int(next_id), *replaced), self.limits)
-            row = attrs.asdict(plan.record, recurse=False)
-            row.update(id=plan.record.key.id, version=plan.record.key.version)
-            connection.execute(_WRITE[plan.insert], {**row, "normalized_identity": plan.identity})
+            rows, size, next_id = connection.execute(totals).fetchone()
+            (same,) = connection.execute(duplicate, (put.identity,)).fetchone() or (None,)
+            old = connection.execute(replaced, target).fetchone() if target else None
+            state = _PutState(rows, size, int(next_id), same, *(old or (None, 0, 0)))
+            plan = _plan_put(put, state, self.limits)
+            new = plan.record
+            common = (new.key.version, new.content, put.identity)
+            if plan.insert:
+                times = (new.created_at_ms, new.updated_at_ms, new.probation_until_ms)
+                connection.execute(_INSERT, (new.key.id, *common, *times))
+            else:  # updated_at_ms, then the telemetry: every field from the fourth on
+                changed = attrs.astuple(new, recurse=False)[3:]
+                connection.execute(_UPDATE, (*common, *changed, new.key.id))
             self._stale = True
         return plan.record
 

@@ -1242,7 +1242,7 @@ class DictBackend:
             target_created_at_ms=0 if target is None else target[0].created_at_ms,
         )
         plan = tactmem._plan_put(put, state, self.limits)
-        rows[plan.record.key.id] = (plan.record, plan.identity)
+        rows[plan.record.key.id] = (plan.record, put.identity)
         self.rows, self.next_id = rows, max(self.next_id, plan.record.key.id + 1)
         return plan.record
 

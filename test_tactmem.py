@@ -988,7 +988,7 @@ def test_check_put_checks_before_any_io_in_the_reference_order() -> None:
 
 def test_plan_put_inserts_a_fresh_record_at_the_next_id() -> None:
     plan = plan_put(put_state(rows=3, content_bytes=52, next_id=9))  # 52 + 12 = 64: it fits
-    assert plan.insert and plan.identity == "a conclusion"
+    assert plan.insert
     assert plan.record == tactmem.Record(
         Key(9, 1), "a conclusion", 1000, 1000, None, 0, None, 0, 1000 + TINY.probation_ms
     )
