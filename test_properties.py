@@ -42,6 +42,7 @@ from typing import Any
 
 import attrs
 import jsonschema
+import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -1258,6 +1259,8 @@ class DictBackend:
         )
 
 
+# The backends to hold to `Store`'s answers: add yours (a class or factory taking `Limits`).
+BACKENDS: list[Callable[[Limits], tactmem.Backend]] = [DictBackend]
 _CALLS = st.one_of(
     st.builds(lambda query, limit: {"operation": "scan", "query": query, "limit": limit},
               _store_queries.filter(str.strip), st.sampled_from([1, 2, 2, 3])),
@@ -1291,13 +1294,16 @@ _CALLS = st.one_of(
         ({"operation": "put", "content": "rust three"}, 11),
     ]
 )
-def test_the_tool_answers_alike_over_any_backend(steps: list[tuple[dict[str, Any], int]]) -> None:
-    """The same calls through `MemoryTool` over a SQLite `Store` and over `DictBackend` get
+@pytest.mark.parametrize("second_backend", BACKENDS)
+def test_the_tool_answers_alike_over_any_backend(
+    second_backend: Callable[[Limits], tactmem.Backend], steps: list[tuple[dict[str, Any], int]]
+) -> None:
+    """The same calls through `MemoryTool` over a SQLite `Store` and over a second backend get
     the same answers, and leave the same records (tiny limits: every bound and probation is
     hit). So the tool needs nothing of a store but `Backend`, and the core's rules are all a
     second backend has to reuse."""
     with fast_tmp() as directory, Store(Path(directory) / "m.sqlite3", limits=TINY) as store:
-        tools = [MemoryTool(store, root=True), MemoryTool(DictBackend(TINY), root=True)]
+        tools = [MemoryTool(store, root=True), MemoryTool(second_backend(TINY), root=True)]
         now = START_MS
         for call, elapsed_ms in steps:
             now += elapsed_ms

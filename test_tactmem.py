@@ -1127,7 +1127,13 @@ def impurities(source: str) -> list[str]:
     shell_names = {
         target.id if isinstance(target, ast.Name) else target.name
         for node in ast.parse(shell).body
-        for target in (node.targets if isinstance(node, ast.Assign) else [node])
+        for target in (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else [node]
+        )
         if isinstance(target, ast.Name | ast.FunctionDef | ast.ClassDef)
     } - {"main"}  # `main` is a shell name the pure sections list in `__all__` only as a string
     forbidden = IO_MODULES | IO_NAMES | shell_names
@@ -1189,6 +1195,8 @@ CHECK_PUT = (
         (CHECK_PUT, "    Store('/tmp/x').list()\n", "Store"),
         (CHECK_PUT, "    import logging\n", "logging"),
         (CHECK_PUT, "    from uuid import uuid1\n", "uuid"),
+        (CHECK_PUT, "    _COMMANDS['put']\n", "_COMMANDS"),  # a shell constant (`: Final`)
+        (CHECK_PUT, "    _ = _INSERT\n", "_INSERT"),
     ],
 )  # fmt: skip
 def test_the_purity_check_finds_io_in_a_doctored_copy(
