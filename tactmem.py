@@ -37,7 +37,7 @@ import time
 import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Final, Literal, NamedTuple, NoReturn, Protocol
+from typing import Any, ClassVar, Final, Literal, NamedTuple, NoReturn, Protocol, get_args
 
 import attrs
 
@@ -121,6 +121,14 @@ _ASSIGNED_VALUE: Final = re.compile(f"[{_WS}]*[:=][{_WS}]*[^{_WS}]")
 # ordinary hyphenated name, group 1 is the token's body and must look random (a digit, or both
 # cases), so `xapp-frontend-service` is a name and `xapp-1-A0B1C2D3` a token.
 _PROVIDER_SHAPES: Final = (
+    # A PEM private-key header inside a line, followed by key material (the reference's rule
+    # wants the header alone on its line).
+    (
+        "private_key_block",
+        ("PRIVATE KEY-----",),
+        False,
+        re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[ \t\r\n]*([A-Za-z0-9+/=]{16})"),
+    ),
     ("google_api_key", ("AIza",), False, re.compile(r"(?<![A-Za-z0-9_])AIza([A-Za-z0-9_-]{35})")),
     ("gitlab_token", ("glpat-",), False, re.compile(r"(?<![A-Za-z0-9_])glpat-([A-Za-z0-9_-]{20})")),
     ("npm_token", ("npm_",), False, re.compile(r"(?<![A-Za-z0-9_])npm_[A-Za-z0-9]{36}")),
@@ -341,11 +349,13 @@ class Record:
 
 @attrs.frozen
 class Candidate:
-    """One scan card: a key, a preview of at most 64 bytes, and the raw BM25 score."""
+    """One scan card: a key, a preview of at most 64 bytes, the raw BM25 score, and `coverage`:
+    the share of the query's evidence the record holds (see `_Corpus.coverage`), in [0, 1]."""
 
     key: Key
     preview: str = attrs.field(repr=False)
     score: float
+    coverage: float
 
 
 @attrs.frozen
@@ -356,10 +366,18 @@ class Config:
     memory_enabled: bool = False
 
 
+# Why a scan returned nothing: no term in the query, a limit below 1, no record sharing a term,
+# or every record that shares one below the scan's `min_coverage`.
+_Abstention = Literal["no_terms", "no_room", "no_overlap", "low_coverage"]
+
+
 @attrs.frozen
 class ScanResult:
+    """The cards of a scan, best first; `reason` says why there are none (None when there are)."""
+
     abstained: bool
     candidates: tuple[Candidate, ...]
+    reason: _Abstention | None = None
 
 
 # ============================================================================ core (pure)
@@ -448,6 +466,33 @@ def tokenize(text: str) -> list[str]:
     return list(itertools.chain.from_iterable(map(_run_tokens, _word_runs(text))))
 
 
+# Words that carry a query's grammar, not its subject: coverage leaves them out.
+_FUNCTION_WORDS: Final = frozenset(
+    "a an the and or but if of to in on at by for with from into onto over under about as is"  # noqa: SIM905
+    " are was were be been being do does did done have has had having i me my we our you your"
+    " it its this that these those there here what which who whom whose when where why how can"
+    " could should would will shall may might must not no yes any some all each every than then"
+    " so such very just also only own same other more most much many few use used using get"
+    " got".split()
+)
+# Endings `_stem` strips, longest first, where at least four letters remain.
+_SUFFIXES: Final = (
+    "ations", "ation", "ments", "ings", "ions", "ized", "izes", "ment", "ing", "ion", "ers",
+    "ies", "ied", "ize", "er", "ed", "es", "ly", "s",
+)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=65536)
+def _stem(term: str) -> str:
+    """A light stem of an ASCII word, for coverage only: `migrations` and `migration` are
+    both `migr`, `tests` and `testing` both `test`; a short word (`tags`) stays whole."""
+    if term.isascii() and term.isalpha():
+        for suffix in _SUFFIXES:
+            if term.endswith(suffix) and len(term) - len(suffix) >= 4:
+                return term[: -len(suffix)]
+    return term
+
+
 def _query_terms(query: str) -> list[str]:
     """Distinct query terms in code-point order: repeating a term changes nothing."""
     return sorted(set(tokenize(query)))
@@ -477,6 +522,8 @@ class _Corpus:
         self._positions: dict[int, int] = {}
         self._norms: list[float] = []
         self._weights: dict[str, tuple[list[int], list[float]]] = {}  # positions, weights
+        self._idfs: dict[str, float] = {}  # kept through a query, unlike the weights
+        self._stems: dict[int, frozenset[str]] = {}  # each term's `_stem`, once asked for
 
     def update(self, rows: Sequence[tuple[int, int, object]]) -> None:
         """Make the statistics those of exactly these `(id, version, content)` rows."""
@@ -500,6 +547,7 @@ class _Corpus:
 
     def _remove(self, doc_id: int) -> None:
         self._ids = []
+        self._stems.pop(doc_id, None)
         self.rows.pop(doc_id, None)
         self.contents.pop(doc_id, None)
         counts = self.counts.pop(doc_id, None)
@@ -516,6 +564,8 @@ class _Corpus:
         """
         if limit <= 0 or not self.counts or not terms:
             return []
+        if len(self._idfs) >= _CACHED_TERMS:
+            self._idfs = {}
         if not self._ids:  # first rank since a change
             self._ids = sorted(self.counts)
             self._positions = {doc_id: position for position, doc_id in enumerate(self._ids)}
@@ -525,6 +575,7 @@ class _Corpus:
                 for length in map(self.lengths.__getitem__, self._ids)
             ]
             self._weights = {}
+            self._idfs = {}
         scores = [0.0] * len(self._ids)
         for term in terms:
             positions, weights = self._weights.get(term) or self._term_weights(term)
@@ -542,7 +593,7 @@ class _Corpus:
             posting = {doc_id: c[term] for doc_id, c in self.counts.items() if term in c}
             self.postings[term] = posting
         n, df = len(self._ids), len(posting)
-        idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+        idf = self._idfs[term] = math.log(1 + (n - df + 0.5) / (df + 0.5))
         k1_plus_1 = _BM25_K1 + 1
         positions = list(map(self._positions.__getitem__, posting))
         weights = [
@@ -553,6 +604,24 @@ class _Corpus:
         ]
         self._weights[term] = (positions, weights)
         return positions, weights
+
+    def coverage(self, terms: Sequence[str], doc_id: int) -> float:
+        """How much of the query's evidence the document holds, in [0, 1], after `rank` with
+        these terms: each distinct query term that is not a function word (all of them if
+        every one is) weighs the square root of its BM25 idf, and the share of that weight
+        whose terms the document holds, as they are or by `_stem`, is the coverage."""
+        counts = self.counts[doc_id]
+        stems = self._stems.get(doc_id)
+        if stems is None:
+            stems = self._stems[doc_id] = frozenset(map(_stem, counts))
+        content = [term for term in terms if term not in _FUNCTION_WORDS] or terms
+        weights = [math.sqrt(self._idfs[term]) for term in content]
+        held = sum(
+            weight
+            for term, weight in zip(content, weights, strict=True)
+            if term in counts or _stem(term) in stems
+        )
+        return held / sum(weights)
 
 
 def rank(
@@ -747,15 +816,11 @@ def _check_version(expected: Key, current_version: int | None) -> int:
     return current_version
 
 
-_Abstention = Literal["no_terms", "no_room", "no_match"]  # no term, a limit below 1, no overlap
-
-
 class _ScanPlan(NamedTuple):
-    """What a scan returns, the rows it marks scanned, and why it abstained (if it did)."""
+    """What a scan returns and the rows it marks scanned."""
 
     result: ScanResult
     scanned: tuple[int, ...]
-    reason: _Abstention | None
 
 
 def _scan_terms(query: str, limits: Limits) -> list[str]:
@@ -765,19 +830,35 @@ def _scan_terms(query: str, limits: Limits) -> list[str]:
     return _query_terms(query)
 
 
-def _plan_scan(corpus: _Corpus, terms: Sequence[str], limit: int, limits: Limits) -> _ScanPlan:
-    """Rank the visible corpus: at most `limits.scan_results` cards (none for a limit below 1),
-    each a preview of its record; only the cards returned get scan telemetry."""
+def _check_min_coverage(value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise InvalidRequest("min_coverage must be a number from 0 to 1")  # NaN too
+    return float(value)
+
+
+def _plan_scan(
+    corpus: _Corpus, terms: Sequence[str], limit: int, limits: Limits, min_coverage: float = 0.0
+) -> _ScanPlan:
+    """Rank the visible corpus: at most `limits.scan_results` cards (none for a limit below 1)
+    of records whose coverage is at least `min_coverage`, best first, each with a preview; only
+    the cards returned get scan telemetry. With a `min_coverage` above 0 the whole ranking is
+    walked, so a weak record never takes the place of a covering one below it."""
     room = max(0, min(limit, limits.scan_results))
-    ranked = corpus.rank(terms, room)
+    ranked = corpus.rank(terms, room if min_coverage <= 0 or not room else len(corpus.counts))
+    covered = ((doc_id, score, corpus.coverage(terms, doc_id)) for doc_id, score in ranked)
+    kept = list(itertools.islice((card for card in covered if card[2] >= min_coverage), room))
     cards = tuple(
-        Candidate(Key(doc_id, corpus.rows[doc_id][1]), preview(corpus.contents[doc_id]), score)
-        for doc_id, score in ranked
+        Candidate(Key(doc_id, corpus.rows[doc_id][1]), preview(corpus.contents[doc_id]), *scores)
+        for doc_id, *scores in kept
     )
     reason: _Abstention | None = (
-        None if cards else "no_terms" if not terms else "no_room" if not room else "no_match"
-    )
-    return _ScanPlan(ScanResult(not cards, cards), tuple(doc_id for doc_id, _ in ranked), reason)
+        None if cards
+        else "no_terms" if not terms
+        else "no_room" if not room
+        else "low_coverage" if ranked
+        else "no_overlap"
+    )  # fmt: skip
+    return _ScanPlan(ScanResult(not cards, cards, reason), tuple(card[0] for card in kept))
 
 
 def _read_ids(ids: Iterable[int]) -> list[int]:
@@ -879,15 +960,18 @@ class Backend(Protocol):
 
     Another keeps the same promises by running each operation as one all-or-nothing transaction
     over the rules above (private names, shared by this repository's backends): check the input
-    before any I/O (`_scan_terms`, `_check_put`, `_read_ids`); then prune what `_expired` names
-    (never in `delete`), read what the plan needs, ask `_plan_scan`, `_plan_read`, `_plan_put`
-    or `_check_version` (the delete plan), and write exactly the plan. Rows that `_hidden` (read
+    before any I/O (`_scan_terms`, `_check_min_coverage`, `_check_put`, `_read_ids`); then
+    prune what `_expired` names (never in `delete`), read what the plan needs, ask
+    `_plan_scan`, `_plan_read`, `_plan_put` or `_check_version` (the delete plan), and write
+    exactly the plan. Rows that `_hidden` (read
     and list: `_shown`) rejects count against every bound but never reach an agent. Every
     failure is a `TactmemError` and changes nothing."""
 
     @property
     def limits(self) -> Limits: ...
-    def scan(self, query: str, *, limit: int = ..., now_ms: int | None = None) -> ScanResult: ...
+    def scan(
+        self, query: str, *, limit: int = ..., min_coverage: float = ..., now_ms: int | None = None
+    ) -> ScanResult: ...
     def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]: ...
     def put(
         self, content: str, *, replace: Key | None = None, now_ms: int | None = None
@@ -931,7 +1015,7 @@ def _strict_int(value: object, what: str) -> int:
 def _strict_key(value: object, what: str) -> Key:
     if not isinstance(value, Mapping):
         raise InvalidRequest(f"memory {what} must be an object with id and version")
-    _check_fields(value, ("id", "version"), (), what)
+    _check_fields(value, ("id", "version"), (), f"memory {what}")
     return Key(
         _strict_int(value["id"], f"{what} id"), _strict_int(value["version"], f"{what} version")
     )
@@ -942,9 +1026,9 @@ def _check_fields(
 ) -> None:
     for name in value:
         if name not in required and name not in optional:
-            raise InvalidRequest(f"memory {what} has an unknown field: {_field_label(name)}")
+            raise InvalidRequest(f"{what} has an unknown field: {_field_label(name)}")
     for name in sorted(set(required) - set(value)):
-        raise InvalidRequest(f"memory {what} is missing the field {name!r}")
+        raise InvalidRequest(f"{what} is missing the field {name!r}")
 
 
 def _reject_constant(name: str) -> NoReturn:
@@ -978,7 +1062,7 @@ def _parse_request(arguments: Mapping[str, Any] | str, limits: Limits) -> _Reque
     if not isinstance(operation, str) or operation not in _FIELDS:
         raise InvalidRequest("memory operation must be one of scan, read, put, delete")
     required, optional, _ = _FIELDS[operation]
-    _check_fields(arguments, ("operation", *required), optional, operation)
+    _check_fields(arguments, ("operation", *required), optional, f"memory {operation}")
     match operation:
         case "scan":
             query, limit = arguments["query"], arguments.get("limit", limits.scan_results)
@@ -1078,13 +1162,15 @@ def _output_schema(limits: Limits) -> dict[str, Any]:
         "key": _KEY_SCHEMA,
         "preview": {"type": "string", "maxLength": _PREVIEW_BYTES},
         "score": {"type": "number", "exclusiveMinimum": 0},
+        "coverage": {"type": "number", "minimum": 0, "maximum": 1},
     }
     cards = {"type": "array", "items": _closed(candidate), "maxItems": limits.scan_results}
     code = {"type": "string", "pattern": "^[a-z_]+$"}
+    reason = {"enum": [*get_args(_Abstention), None]}
     error = _closed({"code": code, "message": {"type": "string"}})
     answers: dict[str, tuple[dict[str, Any], str]] = {
-        "scan": ({"abstained": {"type": "boolean"}, "candidates": cards},
-                 "Candidates, best first; `abstained` when nothing shares a term with the query."),
+        "scan": ({"abstained": {"type": "boolean"}, "candidates": cards, "reason": reason},
+                 "Candidates, best first; `abstained`, with the `reason`, when there are none."),
         "read": ({"memories": {"type": "array", "items": record}},
                  "The records found, in request order."),
         "put": ({"memory": record, "replaced": {"type": "boolean"}}, "The stored record."),
@@ -1694,6 +1780,572 @@ def _detail_body(record: Record, now: int, width: int) -> list[tuple[str, str]]:
     return body
 
 
+# ------------------------------------------------------------------------ evaluation
+# `tactmem eval` (README, "Evaluating memory"): scenario steps are checked here, run through
+# `MemoryTool` by the shell's `_Scenario`, and scored here; paired agent runs are judged here.
+
+# The operating point `tactmem eval --sweep` chose on the development scenarios (README).
+RECOMMENDED_MIN_COVERAGE: Final = 0.34
+
+
+class _BadScenario(TactmemError):
+    code = "invalid_scenario"
+    message = "the scenario file is not valid"
+
+
+_AGENTS: Final = ("root", "child")
+_WRITE_ERRORS: Final = frozenset(
+    error.code
+    for error in (
+        EmptyContent, ContentTooLarge, RecordCapacity, ContentCapacity, DatabaseCapacity,
+        SecretRejected, Duplicate, NotFound, Conflict, NotRoot, ScanRequired, InvalidRequest,
+    )
+)  # fmt: skip
+_LIMIT_FIELDS: Final = (
+    "content_bytes", "records", "total_content_bytes", "database_bytes", "scan_results",
+    "query_bytes", "probation_ms",
+)  # fmt: skip
+# Each step's required fields, its optional ones (any step may add `note`), and the outcome
+# it expects unless it says otherwise.
+_STEPS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...], str | None]]] = {
+    "limits": ((), _LIMIT_FIELDS, None),
+    "put": (("content",), ("as", "agent", "expect"), "stored"),
+    "replace": (("target", "version", "content"), ("as", "agent", "expect"), "stored"),
+    "delete": (("target", "version"), ("agent", "expect"), "deleted"),
+    "scan": (("query", "relevant"), ("category", "agent"), None),
+    "read": (("ids",), ("agent",), None),
+    "advance": ((), ("ms", "days"), None),
+}
+
+
+def _is_label(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and 0 <= value <= _MAX_SQL_INT
+
+
+# What each field must hold, and how to say so.
+_STEP_FIELDS: Final[dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "content": (lambda value: isinstance(value, str), "a string"),
+    "query": (lambda value: isinstance(value, str), "a string"),
+    "note": (lambda value: isinstance(value, str), "a string"),
+    "category": (_is_label, "a non-empty string"),
+    "as": (_is_label, "a non-empty string"),
+    "target": (_is_label, "a label"),
+    "relevant": (lambda value: isinstance(value, list) and all(map(_is_label, value)),
+                 "a list of labels"),
+    "ids": (lambda value: isinstance(value, list) and all(map(_is_label, value)),
+            "a list of labels"),
+    "agent": (lambda value: value in _AGENTS, '"root" or "child"'),
+    "expect": (lambda value: isinstance(value, str), "an outcome"),
+    "version": (lambda value: value in ("current", "stale") or (_is_count(value) and value > 0),
+                '"current", "stale" or a positive integer'),
+    "ms": (_is_count, "a whole number of milliseconds"),
+    "days": (lambda value: _is_count(value) or (type(value) is float and 0 <= value < 1e6),
+             "a number of days"),
+    **{name: (lambda value: _is_count(value) and value > 0, "a positive integer")
+       for name in _LIMIT_FIELDS},
+}  # fmt: skip
+
+
+class _EvalStep(NamedTuple):
+    where: str  # file:line
+    kind: str
+    fields: Mapping[str, Any]
+
+
+def _json_lines(text: str, source: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The objects of a JSON-lines file, each with its `file:line`; blank lines are skipped."""
+    import json
+
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            where = f"{source}:{number}"
+            try:
+                value = json.loads(line, parse_constant=_reject_constant)
+            except (ValueError, RecursionError):
+                value = None
+            if not isinstance(value, dict):
+                raise _BadScenario(f"{where}: not a JSON object")
+            yield where, value
+
+
+def _check_line(
+    where: str,
+    value: Mapping[str, Any],
+    fields: tuple[tuple[str, ...], tuple[str, ...]],
+    checks: Mapping[str, tuple[Callable[[Any], bool], str]],
+    what: str,
+) -> None:
+    """Every required field present, no unknown one, each holding what `checks` says."""
+    try:
+        _check_fields(value, *fields, what)
+    except InvalidRequest as error:
+        raise _BadScenario(f"{where}: {error}") from None
+    for name, field in value.items():
+        check, wanted = checks[name]
+        if not check(field):
+            raise _BadScenario(f"{where}: {what} field {name!r} must be {wanted}")
+
+
+def _parse_scenario(text: str, source: str) -> tuple[Limits, list[_EvalStep]]:
+    """Check a scenario file completely before anything runs; an error names the line."""
+    limits, steps, labels = _DEFAULT_LIMITS, list[_EvalStep](), set[str]()
+    for where, step in _json_lines(text, source):
+        kind = step.pop("step", None)
+        if not isinstance(kind, str) or kind not in _STEPS:
+            raise _BadScenario(f"{where}: step must be one of {', '.join(_STEPS)}")
+        required, optional, default = _STEPS[kind]
+        _check_line(where, step, (required, (*optional, "note")), _STEP_FIELDS, f"{kind} step")
+        if step.get("expect", default) not in (default, *_WRITE_ERRORS):
+            raise _BadScenario(f"{where}: {kind} step expects an outcome it cannot have")
+        if kind == "limits" and steps:
+            raise _BadScenario(f"{where}: a limits step must be the first step")
+        if kind == "advance" and len(step.keys() & {"ms", "days"}) != 1:
+            raise _BadScenario(f"{where}: an advance step takes ms or days")
+        references = [step["target"]] if "target" in step else []
+        if not labels.issuperset(references + step.get("relevant", []) + step.get("ids", [])):
+            raise _BadScenario(f"{where}: {kind} step names a label no earlier step gave")
+        if step.get("as") in labels:
+            raise _BadScenario(f"{where}: {kind} step gives a label an earlier step gave")
+        labels.update([step["as"]] if "as" in step else [])
+        if kind == "limits":
+            limits = attrs.evolve(limits, **{k: step[k] for k in _LIMIT_FIELDS & step.keys()})
+        steps.append(_EvalStep(where, kind, step))
+    return limits, steps
+
+
+class _ScanOutcome(NamedTuple):
+    source: str
+    category: str
+    relevant: frozenset[int | str]  # ids, or the labels of records that were never stored
+    returned: tuple[int, ...]
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def _percentile(values: Sequence[float], percent: int) -> float | None:
+    """Nearest rank: the smallest value with at least `percent`% of the values at or below it."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(percent / 100 * len(ordered)) - 1)] if ordered else None
+
+
+def _first_hit(scan: _ScanOutcome) -> float:
+    ranks = (rank for rank, doc_id in enumerate(scan.returned, 1) if doc_id in scan.relevant)
+    return 1 / next(ranks, math.inf)
+
+
+def _retrieval(scans: Sequence[_ScanOutcome]) -> dict[str, Any]:
+    """Retrieval over scored scans: recall, precision and MRR over those with an answer,
+    abstention over those without (None where a share has no scans to be taken over)."""
+    answered = [scan for scan in scans if scan.relevant]
+    unanswerable = [scan for scan in scans if not scan.relevant]
+    abstained = _mean(not scan.returned for scan in unanswerable)
+    return {
+        "scans": len(scans),
+        "answerable": len(answered),
+        "unanswerable": len(unanswerable),
+        "recall_at_5": _mean(
+            len(scan.relevant.intersection(scan.returned)) / len(scan.relevant) for scan in answered
+        ),
+        "precision_at_5": _mean(
+            sum(doc_id in scan.relevant for doc_id in scan.returned) / len(scan.returned)
+            for scan in answered
+            if scan.returned
+        ),
+        "mrr": _mean(map(_first_hit, answered)),
+        "correct_abstention": abstained,
+        "false_retrieval": None if abstained is None else 1 - abstained,
+    }
+
+
+def _grouped(scans: Sequence[_ScanOutcome], key: Callable[[_ScanOutcome], str]) -> dict[str, Any]:
+    groups: dict[str, list[_ScanOutcome]] = {}
+    for scan in scans:
+        groups.setdefault(key(scan), []).append(scan)
+    return {name: _retrieval(group) for name, group in sorted(groups.items())}
+
+
+# Threshold tables name these figures of a report (`metrics`, `contract`, `telemetry`, `cost`).
+_THRESHOLD_SECTIONS: Final = ("metrics", "contract", "telemetry", "cost")
+
+
+def _check_thresholds(report: Mapping[str, Any], thresholds: Mapping[str, Any]) -> list[Any]:
+    """Each `[min]` and `[max]` threshold with the report's value and whether it holds; a
+    figure the run has no value for (no scan of that kind) misses."""
+    figures = {
+        name: value for section in _THRESHOLD_SECTIONS for name, value in report[section].items()
+    }
+    rows = []
+    for bound in ("min", "max"):
+        for metric, target in thresholds.get(bound, {}).items():
+            value = figures.get(metric)
+            holds = value is not None and (value >= target if bound == "min" else value <= target)
+            rows.append({"metric": metric, "bound": bound, "target": target, "value": value,
+                         "passed": holds})  # fmt: skip
+    return rows
+
+
+def _estimated_tokens(size: int) -> int:
+    """A rough count of model tokens for `size` bytes of JSON: one per four bytes, rounded up
+    (English and JSON average about four bytes a token; CJK text costs more)."""
+    return -(-size // 4)
+
+
+# ------------------------------------------------------------------------ paired runs
+
+_PAIRED_FIELDS: Final[dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "task": (_is_label, "a non-empty string"),
+    "memory": (lambda value: type(value) is bool, "true or false"),
+    "order": (lambda value: value in (1, 2) and type(value) is int, "1 or 2"),
+    "success": (lambda value: type(value) is bool, "true or false"),
+    "contradiction": (lambda value: type(value) is bool, "true or false"),
+    "false_memory": (lambda value: type(value) is bool, "true or false"),
+    "memory_tokens": (_is_count, "a whole number"),
+    "latency_ms": (lambda value: type(value) in (int, float) and 0 <= value < 1e12, "a number"),
+    "note": (lambda value: isinstance(value, str), "a string"),
+}
+_PAIRED_MARGINS: Final = (
+    "min_gain", "contradiction_margin", "false_memory_margin", "max_memory_tokens",
+    "max_latency_increase_ms",
+)  # fmt: skip
+
+
+def _parse_paired(text: str, source: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each task's pair of runs (with memory, without), checked: one of each, orders 1 and 2."""
+    runs: dict[str, dict[bool, dict[str, Any]]] = {}
+    required = ("task", "memory", "order", "success")
+    for where, row in _json_lines(text, source):
+        _check_line(where, row, (required, tuple(_PAIRED_FIELDS)), _PAIRED_FIELDS, "paired run")
+        pair = runs.setdefault(row["task"], {})
+        if row["memory"] in pair or (pair and pair[not row["memory"]]["order"] == row["order"]):
+            raise _BadScenario(f"{where}: a task has one run with memory and one without, in"
+                               " orders 1 and 2")  # fmt: skip
+        pair[row["memory"]] = row
+    if not runs or any(len(pair) != 2 for pair in runs.values()):
+        raise _BadScenario(f"{source}: every task needs a run with memory and one without")
+    return [(pair[True], pair[False]) for _, pair in sorted(runs.items())]
+
+
+def _binomial_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p), 0 < p < 1, summed in logs (no overflow)."""
+    log_p, log_q = math.log(p), math.log1p(-p)
+    return sum(
+        math.exp(
+            math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+            + i * log_p + (n - i) * log_q
+        )
+        for i in range(k + 1)
+    )  # fmt: skip
+
+
+def _clopper_pearson(k: int, n: int) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) 95% interval for a proportion of k in n, by bisection."""
+
+    def solve(tail: Callable[[float], float]) -> float:  # tail falls from above 0.025 to below
+        low, high = 0.0, 1.0
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if tail(middle) > 0.025 else (low, middle)
+        return (low + high) / 2
+
+    if n == 0:
+        return 0.0, 1.0
+    lower = 0.0 if k == 0 else 1 - solve(lambda p: _binomial_cdf(k - 1, n, 1 - p))
+    upper = 1.0 if k == n else solve(lambda p: _binomial_cdf(k, n, p))
+    return lower, upper
+
+
+def _mcnemar_exact(only_first: int, only_second: int) -> float:
+    """The exact two-sided McNemar p-value: twice the smaller binomial tail of the discordant
+    pairs under Binomial(b + c, 1/2), at most 1."""
+    discordant = only_first + only_second
+    if not discordant:
+        return 1.0
+    return min(1.0, 2 * _binomial_cdf(min(only_first, only_second), discordant, 0.5))
+
+
+def _paired_difference(pairs: Sequence[tuple[bool, bool]]) -> dict[str, Any]:
+    """A paired binary outcome (with memory, without): the two rates, their difference, its
+    exact conditional 95% interval (Clopper-Pearson on the discordant pairs, scaled by their
+    share), and the exact McNemar p-value."""
+    n = len(pairs)
+    first = sum(a and not b for a, b in pairs)
+    second = sum(b and not a for a, b in pairs)
+    discordant = first + second
+    low, high = _clopper_pearson(first, discordant) if discordant else (0.5, 0.5)
+    return {
+        "tasks": n,
+        "with_memory": sum(a for a, _ in pairs) / n,
+        "without_memory": sum(b for _, b in pairs) / n,
+        "difference": (first - second) / n,
+        "ci95": [discordant / n * (2 * low - 1), discordant / n * (2 * high - 1)],
+        "memory_only": first,
+        "without_memory_only": second,
+        "mcnemar_exact_p": _mcnemar_exact(first, second),
+    }
+
+
+def _paired_report(
+    pairs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]], margins: Mapping[str, float]
+) -> dict[str, Any]:
+    """The design's keep-or-remove verdict from paired runs against pre-registered margins:
+    any check failed is `remove`, every check passed is `keep`, else `keep_disabled`."""
+
+    def recorded(name: str) -> list[tuple[Any, Any]]:
+        return [(a[name], b[name]) for a, b in pairs if name in a and name in b]
+
+    success = _paired_difference([(a["success"], b["success"]) for a, b in pairs])
+    both = recorded("contradiction")
+    contradiction = _paired_difference(both) if both else None
+    flags = [a["false_memory"] for a, _ in pairs if "false_memory" in a]
+    false_memory = None if not flags else {
+        "runs": len(flags), "rate": sum(flags) / len(flags),
+        "ci95": list(_clopper_pearson(sum(flags), len(flags))),
+    }  # fmt: skip
+    tokens = _mean(a["memory_tokens"] for a, _ in pairs if "memory_tokens" in a)
+    latency = _mean(a - b for a, b in recorded("latency_ms"))
+
+    def interval(result: Mapping[str, Any] | None, margin: float) -> str:
+        if result is None:
+            return "not_recorded"
+        low, high = result["ci95"]
+        return "pass" if high <= margin else "fail" if low > margin else "inconclusive"
+
+    def budget(value: float | None, most: float) -> str:
+        return "not_recorded" if value is None else "pass" if value <= most else "fail"
+
+    low, high = success["ci95"]
+    gain = margins["min_gain"]
+    checks = {
+        "success_gain": "pass" if low > 0 and success["difference"] >= gain
+        else "fail" if high < gain else "inconclusive",
+        "contradiction": interval(contradiction, margins["contradiction_margin"]),
+        "false_memory": interval(false_memory, margins["false_memory_margin"]),
+        "memory_tokens": budget(tokens, margins["max_memory_tokens"]),
+        "latency": budget(latency, margins["max_latency_increase_ms"]),
+    }  # fmt: skip
+    results = set(checks.values())
+    verdict = "remove" if "fail" in results else "keep" if results == {"pass"} else "keep_disabled"
+    return {
+        "tasks": len(pairs),
+        "memory_first": sum(a["order"] == 1 for a, _ in pairs),
+        "success": success,
+        "contradiction": contradiction,
+        "false_memory": false_memory,
+        "memory_tokens_mean": tokens,
+        "latency_increase_ms_mean": latency,
+        "margins": dict(margins),
+        "checks": checks,
+        "verdict": verdict,
+    }
+
+
+class _RunFigures:
+    """What one scenario run saw (filled in by the shell's `_Scenario`): `_eval_report`'s input."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.scans: list[_ScanOutcome] = []
+        self.missed: list[dict[str, str]] = []
+        self.contract: Counter[str] = Counter()
+        self.telemetry: Counter[str] = Counter()
+        self.latency_ms: dict[str, list[float]] = {}
+        self.answer_bytes: dict[str, list[int]] = {}
+        self.file_bytes: dict[str, int] = {}
+        self.swept: dict[float, list[_ScanOutcome]] = {}  # `--sweep`: the scans at each point
+
+
+def _eval_report(
+    runs: Sequence[_RunFigures],
+    min_coverage: float,
+    thresholds: Mapping[str, Any],
+    baseline: Sequence[_RunFigures] = (),
+) -> dict[str, Any]:
+    """The report of `tactmem eval` (its keys are documented in the README)."""
+    scans = [scan for run in runs for scan in run.scans]
+    counts = sum((run.contract for run in runs), Counter[str]())
+    missed = [miss for run in runs for miss in run.missed]
+
+    def share(group: str) -> float | None:
+        checked = counts[f"{group}_checked"]
+        return counts[f"{group}_right"] / checked if checked else None
+
+    metrics = _retrieval(scans)
+    reference = _retrieval([scan for run in baseline for scan in run.scans]) if baseline else None
+    recall, base = metrics["recall_at_5"], (reference or metrics)["recall_at_5"]
+    metrics["recall_loss"] = None if recall is None or base is None else base - recall
+    telemetry = sum((run.telemetry for run in runs), Counter[str]())
+    report: dict[str, Any] = {
+        "files": [run.source for run in runs],
+        "min_coverage": min_coverage,
+        "metrics": metrics,
+        "baseline": reference,
+        "per_category": _grouped(scans, lambda scan: scan.category),
+        "per_file": _grouped(scans, lambda scan: scan.source),
+        "expectations": {
+            "met": counts["expectations_met"],
+            "missed": len(missed),
+            "misses": missed,
+        },
+        "contract": {
+            "expectations_missed": len(missed),
+            **{name: counts[name] for name in _BROKEN_PROMISES},
+            "probation_read_kept": share("read"),
+            "probation_unread_pruned": share("expired"),
+            "probation_unexpired_kept": share("unexpired"),
+        },
+        "telemetry": {
+            "scan_calls": sum(len(run.latency_ms.get("scan", [])) for run in runs),
+            "read_calls": sum(len(run.latency_ms.get("read", [])) for run in runs),
+            "scan_marks": telemetry["scan_marks"],
+            "use_marks": telemetry["use_marks"],
+            "scanned_never_read": telemetry["scanned_never_read"],
+        },
+        "cost": _costs(runs),
+    }
+    report["thresholds"] = _check_thresholds(report, thresholds)
+    report["passed"] = not missed and all(row["passed"] for row in report["thresholds"])
+    return report
+
+
+def _costs(runs: Sequence[_RunFigures]) -> dict[str, Any]:
+    """Latency per operation (p50, p95), the bytes and estimated tokens each scan and read
+    answer adds to a model's context, and the largest main and sidecar files."""
+    cost: dict[str, Any] = {}
+    for operation in _FIELDS:
+        times = [value for run in runs for value in run.latency_ms.get(operation, [])]
+        cost[f"{operation}_p50_ms"] = _percentile(times, 50)
+        cost[f"{operation}_p95_ms"] = _percentile(times, 95)
+    for operation in ("scan", "read"):
+        sizes = [size for run in runs for size in run.answer_bytes.get(operation, [])]
+        tokens = list(map(_estimated_tokens, sizes))
+        cost[f"{operation}_bytes_mean"] = _mean(sizes)
+        cost[f"{operation}_bytes_p95"] = _percentile(sizes, 95)
+        cost[f"{operation}_tokens_mean"] = _mean(tokens)
+        cost[f"{operation}_tokens_p95"] = _percentile(tokens, 95)
+    files = [run.file_bytes for run in runs]
+    cost["main_file_bytes"] = max((sizes.get("", 0) for sizes in files), default=None)
+    cost["sidecar_file_bytes"] = max(
+        (sum(size for suffix, size in sizes.items() if suffix) for sizes in files), default=None
+    )
+    return cost
+
+
+_BROKEN_PROMISES: Final = (
+    "duplicate_puts_accepted", "stale_writes_accepted", "forbidden_writes",
+    "secret_puts_accepted",
+)  # fmt: skip
+
+
+def _parse_thresholds(text: str, source: str) -> dict[str, Any]:
+    """A thresholds file (TOML): `min_coverage`, `[min]` and `[max]` figures of the report,
+    `[paired]` margins; anything else is an error."""
+    import tomllib
+
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        raise _BadScenario(f"{source}: not valid TOML") from None
+    known = {name for section in _THRESHOLD_SECTIONS for name in _eval_report([], 0.0, {})[section]}
+    allowed = {"min": known, "max": known, "paired": set(_PAIRED_MARGINS)}
+    for name, value in table.items():
+        if name == "min_coverage":
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+                raise _BadScenario(f"{source}: min_coverage must be a number from 0 to 1")
+        elif name not in allowed or not isinstance(value, dict):
+            raise _BadScenario(f"{source}: unknown setting {_field_label(name)}")
+        else:
+            for figure, target in value.items():
+                if figure not in allowed[name]:
+                    raise _BadScenario(f"{source}: [{name}] names an unknown figure"
+                                       f" {_field_label(figure)}")  # fmt: skip
+                if isinstance(target, bool) or not isinstance(target, int | float):
+                    raise _BadScenario(f"{source}: [{name}] {figure} must be a number")
+    return table
+
+
+def _figure(value: object) -> str:
+    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def _eval_lines(report: Mapping[str, Any]) -> Iterator[str]:
+    """`tactmem eval` for a person: retrieval overall, per category and per file, then the
+    contract, telemetry and cost figures, every threshold and every missed expectation."""
+    import textwrap
+
+    metrics = report["metrics"]
+    yield (f"tactmem eval: {len(report['files'])} files, {metrics['scans']} scored scans"
+           f" ({metrics['unanswerable']} without an answer), min_coverage"
+           f" {report['min_coverage']:g}")  # fmt: skip
+    yield f"{'':<34}{'scans':>6}{'no-ans':>7}" + "".join(f"{x:>9}" for x in _RETRIEVAL.values())
+    groups = [("all", metrics), *report["per_category"].items(), *report["per_file"].items()]
+    for name, figures in groups:
+        label = name if len(name) <= 33 else "\u2026" + name[-32:]
+        cells = "".join(f"{_figure(figures[column]):>9}" for column in _RETRIEVAL)
+        yield f"{label:<34}{figures['scans']:>6}{figures['unanswerable']:>7}{cells}"
+    if report["baseline"] is not None:
+        yield (f"at min_coverage 0: recall@5 {_figure(report['baseline']['recall_at_5'])},"
+               f" false retrieval {_figure(report['baseline']['false_retrieval'])}")  # fmt: skip
+    for section in _THRESHOLD_SECTIONS[1:]:
+        pairs = ", ".join(f"{name} {_figure(value)}" for name, value in report[section].items())
+        yield from textwrap.wrap(f"{section}: {pairs}", 100, subsequent_indent="  ")
+    for row in report["thresholds"]:
+        sign = ">=" if row["bound"] == "min" else "<="
+        verdict = "PASS" if row["passed"] else "MISS"
+        yield f"{verdict} {row['metric']} {sign} {row['target']:g} ({_figure(row['value'])})"
+    for miss in report["expectations"]["misses"]:
+        yield f"MISS {miss['where']}: expected {miss['expected']}, got {miss['got']}"
+    yield "passed" if report["passed"] else "FAILED"
+
+
+_RETRIEVAL: Final = {
+    "recall_at_5": "recall@5", "precision_at_5": "P@5", "mrr": "MRR",
+    "correct_abstention": "abstain", "false_retrieval": "false",
+}  # fmt: skip
+_SWEEP: Final = tuple(round(0.02 * step, 2) for step in range(26))  # 0 to 0.5
+
+
+def _sweep_lines(rows: Sequence[tuple[float, Mapping[str, Any]]]) -> Iterator[str]:
+    yield f"{'min_coverage':>12}{'recall@5':>10}{'MRR':>8}{'false retrieval':>17}"
+    for threshold, figures in rows:
+        cells = (figures["recall_at_5"], figures["mrr"], figures["false_retrieval"])
+        yield f"{threshold:>12.2f}" + "".join(
+            f"{_figure(value):>{width}}" for value, width in zip(cells, (10, 8, 17), strict=True)
+        )
+
+
+def _paired_lines(report: Mapping[str, Any]) -> Iterator[str]:
+    success = report["success"]
+    low, high = success["ci95"]
+    yield (f"{report['tasks']} tasks ({report['memory_first']} ran with memory first)")
+    yield (f"success: {success['with_memory']:.3f} with memory, {success['without_memory']:.3f}"
+           f" without; difference {success['difference']:+.3f}, 95% CI [{low:+.3f}, {high:+.3f}],"
+           f" exact McNemar p = {success['mcnemar_exact_p']:.4f}")  # fmt: skip
+    extra = report["contradiction"], report["false_memory"]
+    if extra[0] is not None:
+        low, high = extra[0]["ci95"]
+        yield (
+            f"contradiction: {extra[0]['with_memory']:.3f} with memory,"
+            f" {extra[0]['without_memory']:.3f} without; 95% CI [{low:+.3f}, {high:+.3f}]"
+        )
+    if extra[1] is not None:
+        low, high = extra[1]["ci95"]
+        yield f"false memory: {extra[1]['rate']:.3f} of runs, 95% CI [{low:.3f}, {high:.3f}]"
+    yield (
+        f"memory tokens per run: {_figure(report['memory_tokens_mean'])}; latency added:"
+        f" {_figure(report['latency_increase_ms_mean'])} ms"
+    )
+    for name, check in report["checks"].items():
+        yield f"{check:<13} {name}"
+    yield f"verdict: {report['verdict']}"
+
+
 # ============================================================================ shell (I/O)
 
 _SCHEMA: Final = (
@@ -1878,13 +2530,20 @@ class Store:
     # -------------------------------------------------------------------- operations
 
     def scan(
-        self, query: str, *, limit: int = _DEFAULT_LIMITS.scan_results, now_ms: int | None = None
+        self,
+        query: str,
+        *,
+        limit: int = _DEFAULT_LIMITS.scan_results,
+        min_coverage: float = 0.0,
+        now_ms: int | None = None,
     ) -> ScanResult:
-        """Rank visible records; only the returned candidates get scan telemetry."""
-        terms, now = _scan_terms(query, self.limits), _now_ms(now_ms)
+        """Rank visible records, leaving out those whose coverage is below `min_coverage`; only
+        the returned candidates get scan telemetry."""
+        terms, floor = _scan_terms(query, self.limits), _check_min_coverage(min_coverage)
+        now = _now_ms(now_ms)
         with self._transaction(prune_at=now) as connection:
             self._sync(connection)
-            plan = _plan_scan(self._corpus, terms, limit, self.limits)
+            plan = _plan_scan(self._corpus, terms, limit, self.limits, floor)
             connection.executemany(
                 "UPDATE memories SET last_scanned_at_ms = ?, scan_count = scan_count + 1"
                 " WHERE id = ?",
@@ -2045,10 +2704,11 @@ class Store:
 # ------------------------------------------------------------------------ the memory tool
 
 
-def _execute(store: Backend, request: _Request, now_ms: int) -> Any:
+def _execute(store: Backend, request: _Request, now_ms: int, min_coverage: float = 0.0) -> Any:
     """Carry out a checked request on any backend: its result, or the key it deleted."""
     if request.operation == "scan":
-        return store.scan(request.query, limit=request.limit, now_ms=now_ms)
+        limit = request.limit
+        return store.scan(request.query, limit=limit, min_coverage=min_coverage, now_ms=now_ms)
     if request.operation == "read":
         return store.read(request.ids, now_ms=now_ms)
     if request.operation == "put":
@@ -2063,12 +2723,14 @@ class MemoryTool:
 
     `call` never raises for bad input: every failure becomes
     `{"error": {"code": ..., "message": ...}}` and changes nothing. Only a root agent may put
-    or delete, and a put needs a successful scan since this tool's last put attempt.
+    or delete, and a put needs a successful scan since this tool's last put attempt. Scans
+    leave out candidates whose coverage is below `min_coverage` (0: none).
     """
 
-    def __init__(self, store: Backend, *, root: bool) -> None:
+    def __init__(self, store: Backend, *, root: bool, min_coverage: float = 0.0) -> None:
         self.store = store
         self.root = root
+        self.min_coverage = _check_min_coverage(min_coverage)
         self._lock = threading.Lock()
         self._scanned = False
 
@@ -2090,7 +2752,7 @@ class MemoryTool:
             scanned, self._scanned = self._scanned, False  # every put attempt needs a new scan
             if not scanned:
                 raise ScanRequired()
-        value = _execute(self.store, request, now)
+        value = _execute(self.store, request, now, self.min_coverage)
         if request.operation == "scan":
             self._scanned = True
         return _answer(request, value)
@@ -2314,6 +2976,252 @@ def _next_key_waiting(screen: Any) -> bool:
         screen.nodelay(False)
 
 
+# ------------------------------------------------------------------------ evaluation runs
+
+_EVAL_EPOCH_MS: Final = 1_767_225_600_000  # 2026-01-01T00:00:00Z: scenario clocks start here
+_DAY_MS: Final = 86_400_000
+_EVAL_FILE_BYTES: Final = 16 << 20  # a scenario or paired-run file larger than this is refused
+
+
+class _Scenario:
+    """One scenario file run on a fresh store through a root and a child `MemoryTool`, as
+    agents call them, on a clock that starts at `_EVAL_EPOCH_MS` and moves 1 ms per call (and
+    as `advance` steps say). What it saw is kept for `_eval_report`."""
+
+    def __init__(
+        self, store: Store, source: str, min_coverage: float, sweep: Sequence[float] = ()
+    ) -> None:
+        self.store, self.source, self.now, self.sweep = store, source, _EVAL_EPOCH_MS, sweep
+        self.tools = {
+            agent: MemoryTool(store, root=agent == "root", min_coverage=min_coverage)
+            for agent in _AGENTS
+        }
+        self.labels: dict[str, Key] = {}
+        self.live: dict[int, int | None] = {}  # id -> its probation's end, None once read
+        self.figures = _RunFigures(source)
+
+    def run(self, steps: Iterable[_EvalStep]) -> _RunFigures:
+        for step in steps:
+            getattr(self, f"_{step.kind}")(step, step.fields.get("agent", "root"))
+        records = self.store.list(now_ms=self.now)
+        self.figures.telemetry.update(
+            scan_marks=sum(record.scan_count for record in records),
+            use_marks=sum(record.use_count for record in records),
+            scanned_never_read=sum(r.scan_count >= 3 and not r.use_count for r in records),
+        )
+        self.figures.file_bytes.update(self.store._stats(now_ms=self.now)["file_bytes"])
+        return self.figures
+
+    def call(self, agent: str, request: dict[str, Any]) -> dict[str, Any]:
+        self.now += 1
+        started = time.perf_counter()
+        answer = self.tools[agent].call(request, now_ms=self.now)
+        operation = request["operation"]
+        self.figures.latency_ms.setdefault(operation, []).append(
+            (time.perf_counter() - started) * 1000
+        )
+        if operation in ("scan", "read"):
+            self.figures.answer_bytes.setdefault(operation, []).append(len(_json(answer)))
+        return answer
+
+    def settle(self, step: _EvalStep, answer: Mapping[str, Any], success: str) -> bool:
+        """Check a write's expected outcome, and count the promises a success broke."""
+        got = answer["error"]["code"] if "error" in answer else success
+        self.expect(step, step.fields.get("expect", success), got)
+        if got == success:
+            expected = step.fields.get("expect", success)
+            self.figures.contract.update(
+                name
+                for name, broken in (
+                    ("duplicate_puts_accepted", expected == "duplicate"),
+                    ("secret_puts_accepted", expected == "secret_rejected"),
+                    ("stale_writes_accepted",
+                     expected == "conflict" or step.fields.get("version") == "stale"),
+                    ("forbidden_writes", step.fields.get("agent") == "child"),
+                )
+                if broken
+            )  # fmt: skip
+        return got == success
+
+    def expect(self, step: _EvalStep, expected: str, got: str) -> None:
+        if got == expected:
+            self.figures.contract["expectations_met"] += 1
+        else:
+            self.figures.missed.append({"where": step.where, "expected": expected, "got": got})
+
+    def version(self, step: _EvalStep) -> int:
+        """The version a write names: the one last seen, one the record no longer has (the one
+        before, or after a first version), or the number given."""
+        current = self.labels[step.fields["target"]].version
+        named = step.fields["version"]
+        if named == "stale":
+            return current - 1 if current > 1 else current + 1
+        return current if named == "current" else int(named)
+
+    def _put(self, step: _EvalStep, agent: str) -> None:
+        content, target = step.fields["content"], step.fields.get("target")
+        if target is not None and target not in self.labels:  # its put was refused
+            return self.expect(step, step.fields.get("expect", "stored"), "target_never_stored")
+        if not self.tools[agent]._scanned:  # the gate, passed the way an agent passes it
+            query = preview(content, self.store.limits.query_bytes)
+            self.call(agent, {"operation": "scan", "query": query if query.strip() else "?"})
+        request: dict[str, Any] = {"operation": "put", "content": content}
+        if target is not None:
+            request["replace"] = {"id": self.labels[target].id, "version": self.version(step)}
+        answer = self.call(agent, request)
+        if self.settle(step, answer, "stored"):
+            key = Key(**answer["memory"]["key"])
+            self.labels.update({label: key for label in (target, step.fields.get("as")) if label})
+            self.live[key.id] = answer["memory"]["probation_until_ms"]
+
+    _replace = _put
+
+    def _limits(self, step: _EvalStep, _: str) -> None:
+        """Taken by `_parse_scenario` before the store opened."""
+
+    def _delete(self, step: _EvalStep, agent: str) -> None:
+        target = step.fields["target"]
+        if target not in self.labels:
+            return self.expect(step, step.fields.get("expect", "deleted"), "target_never_stored")
+        doc_id = self.labels[target].id
+        answer = self.call(
+            agent, {"operation": "delete", "id": doc_id, "version": self.version(step)}
+        )
+        if self.settle(step, answer, "deleted"):
+            self.live.pop(doc_id, None)
+
+    def _scan(self, step: _EvalStep, agent: str) -> None:
+        answer = self.call(agent, {"operation": "scan", "query": step.fields["query"]})
+        if "error" in answer:
+            self.expect(step, "a scan", answer["error"]["code"])
+        relevant = frozenset(
+            self.labels[label].id if label in self.labels else label  # a label never stored
+            for label in step.fields["relevant"]
+        )
+        returned = tuple(card["key"]["id"] for card in answer.get("candidates", ()))
+        category = step.fields.get("category", "uncategorized")
+        self.figures.scans.append(_ScanOutcome(self.source, category, relevant, returned))
+        limits = self.store.limits
+        for point in self.sweep:  # what a scan at each point would return, without telemetry
+            terms = _scan_terms(step.fields["query"], limits)
+            plan = _plan_scan(self.store._corpus, terms, limits.scan_results, limits, point)
+            outcome = _ScanOutcome(self.source, category, relevant, plan.scanned)
+            self.figures.swept.setdefault(point, []).append(outcome)
+
+    def _read(self, step: _EvalStep, agent: str) -> None:
+        ids = [self.labels[label].id for label in step.fields["ids"] if label in self.labels]
+        answer = self.call(agent, {"operation": "read", "ids": ids})
+        if "error" in answer:
+            self.expect(step, "a read", answer["error"]["code"])
+        for record in answer.get("memories", ()):
+            if record["key"]["id"] in self.live:
+                self.live[record["key"]["id"]] = None  # read: out of probation for good
+
+    def _advance(self, step: _EvalStep, _: str) -> None:
+        """Move the clock, then check probation: a record read since its last write, and an
+        unread one within its period, is kept; an unread one past it is pruned."""
+        fields, counts = step.fields, self.figures.contract
+        self.now += fields["ms"] if "ms" in fields else round(fields["days"] * _DAY_MS)
+        present = {record.key.id for record in self.store.list(now_ms=self.now)}
+        for doc_id, until in list(self.live.items()):
+            keep = until is None or until > self.now
+            group = "read" if until is None else "unexpired" if keep else "expired"
+            counts[f"{group}_checked"] += 1
+            counts[f"{group}_right"] += (doc_id in present) == keep
+            if doc_id not in present:
+                del self.live[doc_id]
+
+
+def _read_eval_file(path: str) -> str:
+    """A scenario, paired-run or thresholds file: at most `_EVAL_FILE_BYTES`, UTF-8."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(_EVAL_FILE_BYTES + 1)
+    except OSError as error:
+        raise _BadScenario(f"{path}: cannot be read ({error.strerror})") from None
+    if len(data) > _EVAL_FILE_BYTES:
+        raise _BadScenario(f"{path}: larger than {_EVAL_FILE_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _BadScenario(f"{path}: not UTF-8") from None
+
+
+def _shipped_eval(name: str) -> str | None:
+    """`fixtures/eval/<name>` beside this file (a checkout or vendored copy), else in the
+    working directory (an installed tactmem run from a checkout)."""
+    for base in (os.path.dirname(os.path.abspath(__file__)), os.getcwd()):
+        path = os.path.join(base, "fixtures", "eval", name)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def _run_scenarios(
+    scenarios: Sequence[tuple[str, Limits, list[_EvalStep]]],
+    min_coverage: float,
+    sweep: Sequence[float] = (),
+) -> list[_RunFigures]:
+    import tempfile
+
+    runs = []
+    for source, limits, steps in scenarios:
+        with (
+            tempfile.TemporaryDirectory(prefix="tactmem-eval-") as directory,
+            Store(os.path.join(directory, "memory.sqlite3"), limits=limits) as store,
+        ):
+            runs.append(_Scenario(store, source, min_coverage, sweep).run(steps))
+    return runs
+
+
+def _eval_command(arguments: argparse.Namespace) -> int:
+    """`tactmem eval`: score scenarios (or judge paired runs) against a thresholds file."""
+    path = arguments.thresholds or _shipped_eval("thresholds.toml")
+    thresholds = {} if path is None else _parse_thresholds(_read_eval_file(path), path)
+    if arguments.paired is not None:
+        return _paired_command(arguments, thresholds)
+    files = arguments.files or sorted(
+        os.path.relpath(os.path.join(base, name))
+        for base in filter(None, map(_shipped_eval, ("dev", "heldout", "contract")))
+        for name in os.listdir(base)
+        if name.endswith(".jsonl")
+    )
+    if not files:
+        raise _BadScenario("no scenario files given, and no fixtures/eval/ here to run")
+    scenarios = [(file, *_parse_scenario(_read_eval_file(file), file)) for file in files]
+    if arguments.sweep:
+        runs = _run_scenarios(scenarios, 0.0, _SWEEP)  # scans leave the ranking as it was
+        rows = [
+            (point, _retrieval([s for run in runs for s in run.swept[point]])) for point in _SWEEP
+        ]
+        lines = _sweep_lines(rows)
+        print(
+            _json([{"min_coverage": x, **row} for x, row in rows])
+            if arguments.json
+            else "\n".join(lines)
+        )
+        return 0
+    coverage = arguments.min_coverage
+    coverage = thresholds.get("min_coverage", 0.0) if coverage is None else coverage
+    runs = _run_scenarios(scenarios, coverage)
+    baseline = _run_scenarios(scenarios, 0.0) if coverage else []
+    report = _eval_report(runs, coverage, thresholds, baseline)
+    print(_json(report) if arguments.json else "\n".join(_eval_lines(report)))
+    return 0 if report["passed"] else 1
+
+
+def _paired_command(arguments: argparse.Namespace, thresholds: Mapping[str, Any]) -> int:
+    """`tactmem eval --paired`: the keep-or-remove verdict; exit 0 only for `keep`."""
+    margins = thresholds.get("paired", {})
+    if set(_PAIRED_MARGINS) - margins.keys():
+        raise _BadScenario("the thresholds file needs every [paired] margin: "
+                           + ", ".join(_PAIRED_MARGINS))  # fmt: skip
+    pairs = _parse_paired(_read_eval_file(arguments.paired), arguments.paired)
+    report = _paired_report(pairs, margins)
+    print(_json(report) if arguments.json else "\n".join(_paired_lines(report)))
+    return 0 if report["verdict"] == "keep" else 1
+
+
 # ------------------------------------------------------------------------ command line
 
 
@@ -2333,6 +3241,13 @@ def _number(text: str) -> int:
     if re.fullmatch("[0-9]{1,19}", text) is None:
         raise argparse.ArgumentTypeError(f"expected a whole number, not {text[:20]!r}")
     return int(text)
+
+
+def _coverage(text: str) -> float:
+    try:
+        return _check_min_coverage(float(text))
+    except (ValueError, InvalidRequest):
+        raise argparse.ArgumentTypeError("must be a number from 0 to 1") from None
 
 
 def _parse_key_argument(text: str) -> Key:
@@ -2377,7 +3292,7 @@ def _human(request: _Request, value: Any, now_ms: int) -> Iterator[str]:
     match request.operation:
         case "scan":
             if value.abstained:
-                yield "no memory shares a term with the query (abstained)"
+                yield f"{_ABSTENTIONS[value.reason]} (abstained)"
             for card in value.candidates:
                 key, text = card.key, _displayable(card.preview)
                 yield f"#{key.id} v{key.version}  {card.score:.3f}  {text}"
@@ -2394,12 +3309,20 @@ def _human(request: _Request, value: Any, now_ms: int) -> Iterator[str]:
             yield f"deleted #{value.id}"
 
 
+_ABSTENTIONS: Final = {
+    "no_terms": "the query has no searchable term",
+    "no_room": "the limit leaves room for no card",
+    "no_overlap": "no memory shares a term with the query",
+    "low_coverage": "no memory covers enough of the query",
+}
+
+
 def _operation_command(store: Backend, arguments: argparse.Namespace, _: Config | None) -> None:
     """`scan`, `read`, `put`, `delete`: checked as the tool checks them, the tool's answer
     with `--json`, else lines for a person. The person is trusted: no scan gate."""
     request = _parse_request(_tool_request(arguments), store.limits)
     now = _now_ms()
-    value = _execute(store, request, now)
+    value = _execute(store, request, now, getattr(arguments, "min_coverage", 0.0))
     for line in [_json(_answer(request, value))] if arguments.json else _human(request, value, now):
         print(line)
 
@@ -2445,7 +3368,7 @@ def _browse_command(store: Backend, _: argparse.Namespace, config: Config | None
 def _serve_command(store: Backend, arguments: argparse.Namespace, config: Config | None) -> None:
     if config is not None and not config.memory_enabled:
         raise ConfigError(f"memory is not enabled in {config.path}: set [memory] enabled = true")
-    tool = MemoryTool(store, root=not arguments.child)
+    tool = MemoryTool(store, root=not arguments.child, min_coverage=arguments.min_coverage)
     (_serve_lines if arguments.command == "tool" else _serve_mcp)(tool)
 
 
@@ -2482,6 +3405,7 @@ _COMMANDS: Final[dict[str, tuple[str, _Run | None]]] = {
     "tool": ("serve the memory tool as JSON lines on stdin and stdout", _serve_command),
     "mcp": ("serve the memory tool over MCP stdio (needs tactmem[mcp])", _serve_command),
     "demo": ("run the whole contract on a throwaway store", None),
+    "eval": ("score scenarios, or paired agent runs, against pre-registered thresholds", None),
 }
 
 
@@ -2517,14 +3441,23 @@ def _build_parser() -> _Parser:
         sub[name].add_argument(
             "--child", action="store_true", help="a child agent: scan and read only"
         )
+    for name in ("scan", "tool", "mcp", "eval"):
+        sub[name].add_argument(
+            "--min-coverage", metavar="X", type=_coverage, default=None if name == "eval" else 0.0,
+            help="leave out candidates whose coverage is below X (0 to 1; default 0)",
+        )  # fmt: skip
+    sub["eval"].add_argument("files", metavar="FILE", nargs="*", help="scenario files (JSON lines)")
+    sub["eval"].add_argument("--sweep", action="store_true", help="print the coverage trade-off")
+    sub["eval"].add_argument("--thresholds", metavar="FILE", help="thresholds file (TOML)")
+    sub["eval"].add_argument("--paired", metavar="RESULTS", help="judge paired agent runs")
     return parser
 
 
 def _run(arguments: argparse.Namespace) -> int:
     _, run = _COMMANDS[arguments.command]
-    if run is None:
-        return _demo()
     arguments.json = getattr(arguments, "json", False)
+    if run is None:
+        return _eval_command(arguments) if arguments.command == "eval" else _demo()
     config = None
     if hasattr(arguments, "db"):
         if hasattr(arguments, "config"):
@@ -2611,6 +3544,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except _UsageError as error:
         print(f"tactmem: usage: {error} (see tactmem --help)", file=sys.stderr)
+        return 2
+    except _BadScenario as error:  # exit 1 is kept for a missed threshold
+        print(f"tactmem: {error}", file=sys.stderr)
         return 2
     except TactmemError as error:
         print(f"tactmem: {error}", file=sys.stderr)

@@ -748,6 +748,25 @@ def expected_message(error: type[TactmemError], limits: Limits) -> str:
     return messages[error]
 
 
+def coverage_of(query: str, content: str, docs: Sequence[str]) -> float:
+    """The README's coverage, computed from its definition: the query's distinct terms less
+    function words (all if none is left), each weighing sqrt(idf) over the visible docs; the
+    share of that weight whose terms occur in `content` as they are or by stem."""
+    terms = sorted(set(tokenize(query)))
+    subject = [term for term in terms if term not in tactmem._FUNCTION_WORDS] or terms
+    held = set(tokenize(content))
+    stems = {tactmem._stem(term) for term in held}
+    counted = [set(tokenize(doc)) for doc in docs]
+    weights = []
+    for term in subject:
+        df = sum(term in doc for doc in counted)
+        weights.append(math.sqrt(math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))))
+    hit = sum(
+        w for t, w in zip(subject, weights, strict=True) if t in held or tactmem._stem(t) in stems
+    )
+    return hit / sum(weights)
+
+
 def utf8_size(text: str) -> int:
     return len(text.encode("utf-8"))
 
@@ -844,22 +863,34 @@ class Model:
         del self.rows[key.id]
         return None
 
-    def scan(self, query: str, limit: int) -> ScanResult | Fails:
+    def scan(self, query: str, limit: int, min_coverage: float = 0.0) -> ScanResult | Fails:
         if utf8_size(query) > self.limits.query_bytes:
             return Fails(QueryTooLarge)
         rows = self.pruned()
         docs = [(doc_id, row.content) for doc_id, row in rows.items() if self.visible(row)]
-        ranked = rank(query, docs, limit=min(limit, self.limits.scan_results))
+        everything = rank(query, docs, limit=len(docs))
+        covered = [
+            (doc_id, score, coverage_of(query, rows[doc_id].content, [text for _, text in docs]))
+            for doc_id, score in everything
+        ]
+        ranked = [card for card in covered if card[2] >= min_coverage]
+        ranked = ranked[: min(limit, self.limits.scan_results)]
         candidates = tuple(
-            Candidate(key=rows[doc_id].key, preview=preview(rows[doc_id].content), score=score)
-            for doc_id, score in ranked
+            Candidate(rows[doc_id].key, preview(rows[doc_id].content), score, coverage)
+            for doc_id, score, coverage in ranked
         )
-        for doc_id, _ in ranked:
+        reason = (
+            None if candidates
+            else "no_terms" if not tokenize(query)
+            else "low_coverage" if everything
+            else "no_overlap"
+        )  # fmt: skip
+        for doc_id, _, _ in ranked:
             rows[doc_id] = attrs.evolve(
                 rows[doc_id], scan_count=rows[doc_id].scan_count + 1, last_scanned_at_ms=self.now
             )
         self.rows = rows
-        return ScanResult(abstained=not candidates, candidates=candidates)
+        return ScanResult(abstained=not candidates, candidates=candidates, reason=reason)
 
     def read(self, ids: Sequence[int]) -> tuple[Record, ...]:
         rows = self.pruned()
@@ -966,7 +997,7 @@ class StoreMatchesModel(RuleBasedStateMachine):
         to hit."""
         for content in ("\u3000\n", "y" * (TINY.content_bytes + 1), "password=w"):
             self.put_edge_case(content, agent=0)
-        self.scan("z" * (TINY.query_bytes + 1), limit=1, agent=1)
+        self.scan("z" * (TINY.query_bytes + 1), limit=1, agent=1, floor=0.0)
         assert not os.path.exists(self.path)
         for content in contents:
             self.put(content, agent=0)
@@ -1034,12 +1065,17 @@ class StoreMatchesModel(RuleBasedStateMachine):
         query=_store_queries,
         limit=st.integers(min_value=1, max_value=TINY.scan_results + 2),
         agent=agents,
+        floor=st.sampled_from([0.0, 0.0, 0.3, 0.6, 1.0]),
     )
-    def scan(self, query: str, limit: int, agent: int) -> None:
-        """Scan: the same candidates, scores and previews; telemetry on those only."""
-        expected = self.model.scan(query, limit)
+    def scan(self, query: str, limit: int, agent: int, floor: float) -> None:
+        """Scan: the same candidates, scores, coverage and previews, only those covering at
+        least `floor` of the query, best first; telemetry on those only."""
+        expected = self.model.scan(query, limit, floor)
         store = self.stores[agent]
-        self.check(lambda: store.scan(query, limit=limit, now_ms=self.model.now), expected)
+        self.check(
+            lambda: store.scan(query, limit=limit, min_coverage=floor, now_ms=self.model.now),
+            expected,
+        )
 
     @rule(picks=st.lists(st.integers(min_value=0, max_value=9), max_size=5), agent=agents)
     def read(self, picks: list[int], agent: int) -> None:
@@ -1209,11 +1245,14 @@ class DictBackend:
             if not tactmem._expired(record.use_count, record.probation_until_ms, now_ms)
         }
 
-    def scan(self, query: str, *, limit: int = 5, now_ms: int | None = None) -> ScanResult:
+    def scan(
+        self, query: str, *, limit: int = 5, min_coverage: float = 0.0, now_ms: int | None = None
+    ) -> ScanResult:
         terms, now = tactmem._scan_terms(query, self.limits), tactmem._now_ms(now_ms)
+        floor = tactmem._check_min_coverage(min_coverage)
         rows = self.pruned(now)
         self.corpus.update([(i, r.key.version, r.content) for i, (r, _) in rows.items()])
-        plan = tactmem._plan_scan(self.corpus, terms, limit, self.limits)
+        plan = tactmem._plan_scan(self.corpus, terms, limit, self.limits, floor)
         for doc_id in plan.scanned:
             record, identity = rows[doc_id]
             scanned = attrs.evolve(record, last_scanned_at_ms=now, scan_count=record.scan_count + 1)

@@ -17,6 +17,7 @@ import ast
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -295,6 +296,7 @@ REJECTED = load_cases("rejected.txt")
 ALLOWED = [case for _, case in load_cases("allowed.txt")]
 RULE_OF_TAG = {
     "pem": "private_key",
+    "private_key_block": "private_key_block",
     "authorization": "authorization_header",
     "bearer": "bearer_token",
     "url": "credential_url",
@@ -1040,27 +1042,52 @@ def test_plan_scan_clamps_ranks_visible_rows_and_says_why_it_abstains() -> None:
     texts = ["rust sqlite", "rust tokio", "python", "rust password=w"]  # 4 is secret-shaped
     corpus.update([(doc_id, 2, text) for doc_id, text in enumerate(texts, start=1)])
 
-    def plan(query: str, limit: int = 99) -> tactmem._ScanPlan:
-        return tactmem._plan_scan(corpus, tactmem._scan_terms(query, TINY), limit, TINY)
+    def plan(query: str, limit: int = 99, floor: float = 0.0) -> tactmem._ScanPlan:
+        return tactmem._plan_scan(corpus, tactmem._scan_terms(query, TINY), limit, TINY, floor)
 
     hits = plan("rust")  # TINY.scan_results is 2: the tie breaks by id
     assert [(card.key, card.preview) for card in hits.result.candidates] == [
         (Key(1, 2), "rust sqlite"), (Key(2, 2), "rust tokio"),
     ]  # fmt: skip
-    assert (hits.scanned, hits.reason, hits.result.abstained) == ((1, 2), None, False)
+    assert (hits.scanned, hits.result.reason, hits.result.abstained) == ((1, 2), None, False)
     assert [card.score for card in hits.result.candidates] == [
         score for _, score in rank("rust", enumerate(texts[:3], start=1), limit=2)
     ]
+    assert [card.coverage for card in hits.result.candidates] == [1.0, 1.0]
     assert len(plan("rust", limit=1).result.candidates) == 1
-    nothing = tactmem.ScanResult(abstained=True, candidates=())
-    for query, limit, reason in [
-        ("rust", 0, "no_room"), ("!!", 5, "no_terms"), ("haskell", 5, "no_match"),
-        ("password", 5, "no_match"),  # the secret-shaped row takes no part
+    for query, limit, floor, reason in [
+        ("rust", 0, 0.0, "no_room"), ("!!", 5, 0.0, "no_terms"), ("haskell", 5, 0.0, "no_overlap"),
+        ("password", 5, 0.0, "no_overlap"),  # the secret-shaped row takes no part
+        ("haskell rust", 5, 0.9, "low_coverage"),
     ]:  # fmt: skip
-        empty = plan(query, limit)
-        assert (empty.result, empty.scanned, empty.reason) == (nothing, (), reason)
+        empty = plan(query, limit, floor)
+        nothing = tactmem.ScanResult(abstained=True, candidates=(), reason=reason)
+        assert (empty.result, empty.scanned) == (nothing, ()), query
     with pytest.raises(QueryTooLarge):
         tactmem._scan_terms("q" * 17, TINY)
+
+
+def test_coverage_is_the_root_idf_share_of_the_subject_terms_held() -> None:
+    """The README's definition, by hand: function words leave the query, each other term
+    weighs sqrt(idf), and a record holds a term as it is or by its stem."""
+    corpus = tactmem._Corpus()
+    texts = ["ledgerline migrations run in CI", "ledgerline releases", "the tokio runtime"]
+    corpus.update([(doc_id, 1, text) for doc_id, text in enumerate(texts, start=1)])
+    terms = tactmem._query_terms("how does ledgerline run a migration")
+    ranked = dict(corpus.rank(terms, 3))
+    assert set(ranked) == {1, 2}  # `how`, `does` and `a` match nothing; `run` only record 1
+
+    def weight(df: int) -> float:
+        return math.sqrt(math.log(1 + (3 - df + 0.5) / (df + 0.5)))
+
+    everything = weight(2) + weight(0) + weight(1)  # ledgerline, migration, run
+    assert corpus.coverage(terms, 1) == (weight(2) + weight(0) + weight(1)) / everything
+    assert corpus.coverage(terms, 2) == weight(2) / everything
+    only_grammar = tactmem._query_terms("how does the")
+    corpus.rank(only_grammar, 3)
+    assert corpus.coverage(only_grammar, 3) == weight(1) / (weight(0) * 2 + weight(1))
+    assert tactmem._stem("migrations") == tactmem._stem("migration") == "migr"
+    assert tactmem._stem("tags") == "tags" and tactmem._stem("日本語") == "日本語"
 
 
 def test_plan_read_marks_the_visible_rows_used_in_request_order() -> None:
@@ -1316,10 +1343,11 @@ def test_cli_errors_are_one_line(
 
 @pytest.mark.parametrize(
     ("query", "abstains"),
-    [("\x1c", True), ("\x1f\x1e", True), (" \u3000 ", False), ("\t\n", False), ("x", True)],
-)
+    [("\x1c", "no_terms"), ("\x1f\x1e", "no_terms"), (" \u3000 ", None), ("\t\n", None),
+     ("x", "no_overlap")],
+)  # fmt: skip
 def test_cli_checks_a_query_as_the_tool_does(
-    db: Path, capsys: pytest.CaptureFixture[str], query: str, abstains: bool
+    db: Path, capsys: pytest.CaptureFixture[str], query: str, abstains: str | None
 ) -> None:
     """An empty query is one of Unicode White_Space only: U+001C..U+001F are not (Python's
     `str.strip` says they are), so the tool and the command line both abstain on them."""
@@ -1327,7 +1355,8 @@ def test_cli_checks_a_query_as_the_tool_does(
         answer = MemoryTool(store, root=True).call({"operation": "scan", "query": query})
     status, out, err = run_cli(capsys, "--db", str(db), "--json", "scan", query)
     if abstains:
-        assert answer == {"operation": "scan", "abstained": True, "candidates": []}
+        assert answer == {"operation": "scan", "abstained": True, "candidates": [],
+                          "reason": abstains}  # fmt: skip
         assert (status, json.loads(out), err) == (0, answer, "")
     else:
         assert answer["error"]["message"] == "memory scan query is empty"
@@ -1802,7 +1831,12 @@ def test_mappings_that_are_not_dicts_work_like_dicts() -> None:
     with fast_tmp() as directory, Store(Path(directory) / "memory.sqlite3") as store:
         tool = MemoryTool(store, root=True)
         proxy = types.MappingProxyType({"operation": "scan", "query": "mapping"})
-        assert tool.call(proxy) == {"operation": "scan", "abstained": True, "candidates": []}
+        assert tool.call(proxy) == {
+            "operation": "scan",
+            "abstained": True,
+            "candidates": [],
+            "reason": "no_overlap",
+        }
         put = _OddMapping({"operation": "put", "content": "Mappings are fine."})
         assert tool.call(put)["memory"]["key"] == {"id": 1, "version": 1}
 
@@ -2182,7 +2216,12 @@ def test_tool_command_speaks_json_lines(tmp_path: Path) -> None:
     for answer in answers:
         assert_output_shape(answer)
     scan, put, read, malformed, not_utf8, gated, last = answers
-    assert scan == {"operation": "scan", "abstained": True, "candidates": []}
+    assert scan == {
+        "operation": "scan",
+        "abstained": True,
+        "candidates": [],
+        "reason": "no_overlap",
+    }
     assert put["memory"]["key"] == {"id": 1, "version": 1} and put["replaced"] is False
     assert read["memories"][0]["content"] == "The tool command speaks JSON lines."
     assert read["memories"][0]["use_count"] == 1
@@ -2319,7 +2358,12 @@ def test_mcp_server_over_stdio_with_the_sdk_client(tmp_path: Path) -> None:
         assert_output_shape(answer)
         answers.append(answer)
     scan, put, read, _, replace, _, stale, wrong, strict, unknown, delete = answers
-    assert scan == {"operation": "scan", "abstained": True, "candidates": []}
+    assert scan == {
+        "operation": "scan",
+        "abstained": True,
+        "candidates": [],
+        "reason": "no_overlap",
+    }
     assert put["memory"]["key"] == {"id": 1, "version": 1}
     assert read["memories"][0]["content"] == "The MCP server speaks the memory tool."
     assert replace["memory"]["key"] == {"id": 1, "version": 2} and replace["replaced"] is True
