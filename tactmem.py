@@ -50,7 +50,8 @@ __all__ = [  # sorted; each is documented in the README
     "Backend", "Candidate", "Config", "ConfigError", "Conflict", "ContentCapacity",
     "ContentTooLarge", "DatabaseCapacity", "Duplicate", "EmptyContent", "InvalidRequest", "Key",
     "Limits", "MEMORY_INSTRUCTIONS", "MEMORY_REVIEW_CHECKPOINT", "MemoryTool", "NotFound",
-    "NotRoot", "QueryTooLarge", "Record", "RecordCapacity", "ReviewCheckpoint", "ScanRequired",
+    "NotRoot", "QueryTooLarge", "RECOMMENDED_MIN_COVERAGE", "Record", "RecordCapacity",
+    "ReviewCheckpoint", "ScanRequired",
     "ScanResult", "SecretRejected", "StorageError", "Store", "StoreBusy", "TactmemError",
     "UnsupportedSchema", "find_secret", "load_config", "main", "memory_db_path",
     "normalized_identity", "preview", "rank", "resolve_config_path", "tokenize", "tool_definition",
@@ -1235,7 +1236,8 @@ _FLAT_DESCRIPTION: Final = (
 _TOOL_DESCRIPTION: Final = (
     "Global memory of durable conclusions shared by every session, searched and changed only"
     " through this tool. `scan` ranks memories against a short query and returns at most {cards}"
-    " candidate cards (id, version, score and a preview of at most {preview_bytes} bytes);"
+    " candidate cards (id, version, score, coverage: the share of the query's subject terms the"
+    " record holds, and a preview of at most {preview_bytes} bytes);"
     " candidates are possibilities for you to judge, not facts to trust, and a scan does not"
     " count as use. `read` returns full records by id and marks them used. `put` stores one"
     " self-contained conclusion, or replaces a record when you name its id and the version you"
@@ -2033,7 +2035,9 @@ def _parse_paired(text: str, source: str) -> list[tuple[dict[str, Any], dict[str
 
 
 def _binomial_cdf(k: int, n: int, p: float) -> float:
-    """P(X <= k) for X ~ Binomial(n, p), 0 < p < 1, summed in logs (no overflow)."""
+    """P(X <= k) for X ~ Binomial(n, p), summed in logs (no overflow for large n)."""
+    if p <= 0 or p >= 1:
+        return 1.0 if p <= 0 or k >= n else 0.0
     log_p, log_q = math.log(p), math.log1p(-p)
     return sum(
         math.exp(
@@ -2045,19 +2049,22 @@ def _binomial_cdf(k: int, n: int, p: float) -> float:
 
 
 def _clopper_pearson(k: int, n: int) -> tuple[float, float]:
-    """The exact (Clopper-Pearson) 95% interval for a proportion of k in n, by bisection."""
+    """The exact (Clopper-Pearson) 95% interval for a proportion of k in n: the p at which
+    P(X >= k) and P(X <= k) are 2.5%, found by bisection (the CDF falls as p rises)."""
 
-    def solve(tail: Callable[[float], float]) -> float:  # tail falls from above 0.025 to below
+    def solve(cdf_at: int, target: float) -> float:
         low, high = 0.0, 1.0
-        for _ in range(60):
+        for _ in range(50):  # to about 1e-15; a finer midpoint near 1 would round to 1
             middle = (low + high) / 2
-            low, high = (middle, high) if tail(middle) > 0.025 else (low, middle)
+            low, high = (
+                (middle, high) if _binomial_cdf(cdf_at, n, middle) > target else (low, middle)
+            )
         return (low + high) / 2
 
     if n == 0:
         return 0.0, 1.0
-    lower = 0.0 if k == 0 else 1 - solve(lambda p: _binomial_cdf(k - 1, n, 1 - p))
-    upper = 1.0 if k == n else solve(lambda p: _binomial_cdf(k, n, p))
+    lower = 0.0 if k == 0 else solve(k - 1, 0.975)
+    upper = 1.0 if k == n else solve(k, 0.025)
     return lower, upper
 
 

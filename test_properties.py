@@ -879,7 +879,7 @@ class Model:
             Candidate(rows[doc_id].key, preview(rows[doc_id].content), score, coverage)
             for doc_id, score, coverage in ranked
         )
-        reason = (
+        reason: tactmem._Abstention | None = (
             None if candidates
             else "no_terms" if not tokenize(query)
             else "low_coverage" if everything

@@ -29,10 +29,11 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 import types
 import unicodedata
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1055,11 +1056,12 @@ def test_plan_scan_clamps_ranks_visible_rows_and_says_why_it_abstains() -> None:
     ]
     assert [card.coverage for card in hits.result.candidates] == [1.0, 1.0]
     assert len(plan("rust", limit=1).result.candidates) == 1
-    for query, limit, floor, reason in [
+    cases: list[tuple[str, int, float, tactmem._Abstention]] = [
         ("rust", 0, 0.0, "no_room"), ("!!", 5, 0.0, "no_terms"), ("haskell", 5, 0.0, "no_overlap"),
         ("password", 5, 0.0, "no_overlap"),  # the secret-shaped row takes no part
         ("haskell rust", 5, 0.9, "low_coverage"),
-    ]:  # fmt: skip
+    ]  # fmt: skip
+    for query, limit, floor, reason in cases:
         empty = plan(query, limit, floor)
         nothing = tactmem.ScanResult(abstained=True, candidates=(), reason=reason)
         assert (empty.result, empty.scanned) == (nothing, ()), query
@@ -2959,6 +2961,340 @@ def test_browse_in_a_tiny_and_resized_terminal(tmp_path: Path, db: Path) -> None
         assert terminal.close() == 0
     finally:
         terminal.process.kill()
+
+
+# ============================================================================ evaluation
+# `tactmem eval`, the coverage signal it calibrates, and the paired-run verdict.
+
+EVAL = HERE / "fixtures" / "eval"
+SCENARIO: list[dict[str, Any]] = [
+    {"step": "put", "content": "In quarry, `make check` runs the linters first.", "as": "check"},
+    {"step": "put", "content": "In quarry, `make check` runs the linters first.",
+     "expect": "duplicate"},
+    {"step": "put", "content": "token ghp_" + "a1B2" * 9, "expect": "secret_rejected"},
+    {"step": "put", "content": "Children may not write.", "agent": "child", "expect": "not_root"},
+    {"step": "replace", "target": "check", "version": "current", "as": "check2",
+     "content": "In quarry, `make check` runs the linters, then the unit tests."},
+    {"step": "replace", "target": "check", "version": "stale", "content": "No.",
+     "expect": "conflict"},
+    {"step": "scan", "query": "quarry linters", "relevant": ["check2"], "category": "gotcha"},
+    {"step": "scan", "query": "quarry deploys", "relevant": [], "category": "near_miss"},
+    {"step": "scan", "query": "Lisbon weather forecast", "relevant": [], "category": "irrelevant"},
+    {"step": "put", "content": "Unread, so pruned after its week.", "as": "unread"},
+    {"step": "read", "ids": ["check"]},
+    {"step": "advance", "days": 8},
+]  # fmt: skip
+
+
+def scenario_file(directory: Path, steps: Sequence[Mapping[str, Any]], name: str = "s") -> str:
+    path = directory / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(step) + "\n" for step in steps), encoding="utf-8")
+    return str(path)
+
+
+def test_eval_runs_the_shipped_scenarios_and_passes_their_thresholds() -> None:
+    """The README's command, from a checkout: every shipped scenario, at the pre-registered
+    operating point, meets every threshold and every expectation."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tactmem", "--json", "eval"], capture_output=True, text=True,
+        cwd=HERE,
+    )  # fmt: skip
+    assert (result.returncode, result.stderr) == (0, "")
+    report = json.loads(result.stdout)
+    assert (
+        report["passed"] and report["thresholds"] and all(t["passed"] for t in report["thresholds"])
+    )
+    assert report["min_coverage"] == tactmem.RECOMMENDED_MIN_COVERAGE
+    assert {Path(file).parent.name for file in report["files"]} == {"dev", "heldout", "contract"}
+    metrics = report["metrics"]
+    assert metrics["scans"] >= 250 and metrics["unanswerable"] >= metrics["scans"] / 4
+    assert set(metrics) >= {"recall_at_5", "precision_at_5", "mrr", "correct_abstention",
+                            "false_retrieval", "recall_loss"}  # fmt: skip
+    assert report["expectations"]["missed"] == 0 and report["expectations"]["met"] > 50
+    assert report["per_category"].keys() >= {
+        "correction", "rebuttal", "steer", "scope_refinement", "preference", "gotcha",
+        "stale_replacement", "contradiction", "name_collision", "irrelevant", "secret",
+        "adversarial", "paraphrase", "identifier", "cjk", "near_miss",
+    }  # fmt: skip
+    assert report["baseline"]["false_retrieval"] > metrics["false_retrieval"]
+    thresholds = tomllib.loads((EVAL / "thresholds.toml").read_text(encoding="utf-8"))
+    assert thresholds["min_coverage"] == tactmem.RECOMMENDED_MIN_COVERAGE
+
+
+def test_eval_scores_a_scenario_and_checks_every_expectation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = scenario_file(tmp_path, SCENARIO)
+    thresholds = tmp_path / "t.toml"
+    thresholds.write_text("[max]\nfalse_retrieval = 0.5\n", encoding="utf-8")
+    status, out, err = run_cli(capsys, "--json", "eval", path, "--thresholds", str(thresholds))
+    report = json.loads(out)
+    assert (status, err) == (0, "")  # `quarry deploys` shares `quarry`: a false retrieval
+    assert report["metrics"] == {
+        "scans": 3, "answerable": 1, "unanswerable": 2, "recall_at_5": 1.0,
+        "precision_at_5": 1.0, "mrr": 1.0, "correct_abstention": 0.5, "false_retrieval": 0.5,
+        "recall_loss": 0.0,
+    }  # fmt: skip
+    assert report["expectations"] == {"met": 7, "missed": 0, "misses": []}
+    assert report["contract"] == {
+        "expectations_missed": 0, "duplicate_puts_accepted": 0, "stale_writes_accepted": 0,
+        "forbidden_writes": 0, "secret_puts_accepted": 0, "probation_read_kept": 1.0,
+        "probation_unread_pruned": 1.0, "probation_unexpired_kept": None,
+    }  # fmt: skip
+    assert report["thresholds"] == [
+        {"metric": "false_retrieval", "bound": "max", "target": 0.5, "value": 0.5, "passed": True}
+    ]
+    assert report["passed"] is True
+    assert report["per_category"]["irrelevant"]["correct_abstention"] == 1.0
+    assert report["telemetry"]["scan_calls"] == 3 + 6  # scored, and one before each put attempt
+    assert report["cost"]["scan_tokens_p95"] == -(-report["cost"]["scan_bytes_p95"] // 4)
+    covered = run_cli(capsys, "--json", "eval", path, "--thresholds", str(thresholds),
+                      "--min-coverage", "0.9")  # fmt: skip
+    assert covered[0] == 0 and json.loads(covered[1])["metrics"]["false_retrieval"] == 0.0
+
+
+def test_a_wrong_expectation_fails_eval_and_names_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wrong = [*SCENARIO[:1], {"step": "put", "content": "Something new.", "expect": "duplicate"},
+             {"step": "delete", "target": "check", "version": 9, "expect": "deleted"}]  # fmt: skip
+    path = scenario_file(tmp_path, wrong)
+    empty = tmp_path / "none.toml"
+    empty.write_text("", encoding="utf-8")
+    status, out, err = run_cli(capsys, "eval", path, "--thresholds", str(empty))
+    assert (status, err) == (1, "")
+    assert f"MISS {path}:2: expected duplicate, got stored" in out
+    assert f"MISS {path}:3: expected deleted, got conflict" in out
+    assert out.endswith("FAILED\n")
+    report = json.loads(run_cli(capsys, "--json", "eval", path, "--thresholds", str(empty))[1])
+    assert report["contract"]["duplicate_puts_accepted"] == 1 and not report["passed"]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("[1, 2]", "not a JSON object"),
+        ('{"step": "jump"}', "step must be one of"),
+        ('{"step": "put"}', "put step is missing the field 'content'"),
+        ('{"step": "put", "content": "x", "colour": 1}', "unknown field: 'colour'"),
+        ('{"step": "put", "content": 5}', "put step field 'content' must be a string"),
+        ('{"step": "put", "content": "x", "expect": "deleted"}', "an outcome it cannot have"),
+        ('{"step": "scan", "query": "q", "relevant": ["nobody"]}', "a label no earlier step"),
+        ('{"step": "advance", "ms": 1, "days": 1}', "takes ms or days"),
+        ('{"step": "limits", "records": 0}', "'records' must be a positive integer"),
+        ('{"step": "put", "content": "hunter2 password=hunter2", "as": "a", "bogus": 1}',
+         "unknown field"),
+    ],
+)  # fmt: skip
+def test_a_malformed_scenario_is_one_clear_error_naming_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, message: str
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"step": "put", "content": "fine"}\n\n' + line + "\n", encoding="utf-8")
+    status, out, err = run_cli(capsys, "eval", str(path))
+    assert (status, out) == (2, "")
+    assert err.startswith(f"tactmem: {path}:3: ") and message in err and err.count("\n") == 1
+    assert "hunter2" not in err
+
+
+def test_a_limits_step_comes_first_and_sets_the_bounds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    late = scenario_file(tmp_path, [SCENARIO[0], {"step": "limits", "records": 1}], "late")
+    assert run_cli(capsys, "eval", late)[0] == 2
+    second = {"step": "put", "content": "A second record.", "expect": "record_capacity"}
+    full = [{"step": "limits", "records": 1}, SCENARIO[0], second]
+    empty = tmp_path / "none.toml"
+    empty.write_text("", encoding="utf-8")
+    path = scenario_file(tmp_path, full, "full")
+    assert run_cli(capsys, "eval", path, "--thresholds", str(empty))[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("min_coverage = 2", "min_coverage must be a number from 0 to 1"),
+        ("[min]\nrecal_at_5 = 0.9", "unknown figure 'recal_at_5'"),
+        ("[max]\nfalse_retrieval = 'low'", "false_retrieval must be a number"),
+        ("colour = 1", "unknown setting 'colour'"),
+        ("[min", "not valid TOML"),
+    ],
+)
+def test_a_bad_thresholds_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    thresholds = tmp_path / "t.toml"
+    thresholds.write_text(text, encoding="utf-8")
+    path = scenario_file(tmp_path, SCENARIO)
+    status, out, err = run_cli(capsys, "eval", path, "--thresholds", str(thresholds))
+    assert (status, out) == (2, "") and message in err
+
+
+def test_the_sweep_agrees_with_a_run_at_each_point(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--sweep` plans every point's scan in one run; it must equal running at that point."""
+    source = str(EVAL / "dev" / "workspaces.jsonl")
+    scenarios = [(source, *tactmem._parse_scenario(Path(source).read_text("utf-8"), source))]
+    swept = tactmem._run_scenarios(scenarios, 0.0, tactmem._SWEEP)[0].swept
+    for point in (0.0, 0.2, tactmem.RECOMMENDED_MIN_COVERAGE, 0.5):
+        alone = tactmem._run_scenarios(scenarios, point)[0].scans
+        assert swept[point] == alone, point
+    status, out, err = run_cli(capsys, "--json", "eval", "--sweep", source)
+    rows = json.loads(out)
+    assert (status, err) == (0, "") and [row["min_coverage"] for row in rows] == list(
+        tactmem._SWEEP
+    )
+    false = [row["false_retrieval"] for row in rows]
+    assert false == sorted(false, reverse=True) and false[0] > false[-1]
+    status, out, _ = run_cli(capsys, "eval", "--sweep", source)
+    assert out.splitlines()[0].split() == ["min_coverage", "recall@5", "MRR", "false", "retrieval"]
+    assert len(out.splitlines()) == 27
+
+
+def test_min_coverage_is_checked_everywhere(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with Store(db) as store:
+        store.put("In quarry, `make check` runs the linters first.")
+        for bad in (-0.1, 1.5, math.nan, True, "0.5"):
+            with pytest.raises(tactmem.InvalidRequest, match="min_coverage"):
+                store.scan("quarry", min_coverage=bad)  # type: ignore[arg-type]
+            with pytest.raises(tactmem.InvalidRequest, match="min_coverage"):
+                MemoryTool(store, root=True, min_coverage=bad)  # type: ignore[arg-type]
+        weak = store.scan("quarry deploy rollback", min_coverage=0.9)
+        assert weak == tactmem.ScanResult(abstained=True, candidates=(), reason="low_coverage")
+        (card,) = store.scan("quarry deploy rollback").candidates
+        assert 0 < card.coverage < 0.9
+    for command in ("scan", "tool", "mcp", "eval"):
+        status, out, err = run_cli(capsys, "--db", str(db), command, "--min-coverage", "nan")
+        assert (status, out) == (2, "") and "must be a number from 0 to 1" in err
+    status, out, err = run_cli(capsys, "--db", str(db), "--json", "scan", "quarry deploy rollback",
+                               "--min-coverage", "0.9")  # fmt: skip
+    assert (status, json.loads(out)["reason"], err) == (0, "low_coverage", "")
+    status, out, _ = run_cli(
+        capsys, "--db", str(db), "scan", "quarry deploy", "--min-coverage", "1"
+    )
+    assert out == "no memory covers enough of the query (abstained)\n"
+
+
+def test_the_tool_command_drops_weak_cards_at_its_min_coverage(db: Path) -> None:
+    with Store(db) as store:
+        store.put("In quarry, `make check` runs the linters first.")
+    requests = "".join(json.dumps({"operation": "scan", "query": q}) + "\n"
+                       for q in ("quarry linters", "quarry deploy rollback"))  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "tactmem", "--db", str(db), "tool", "--min-coverage", "0.5"],
+        input=requests, capture_output=True, text=True, cwd=HERE,
+    )  # fmt: skip
+    strong, weak = map(json.loads, result.stdout.splitlines())
+    assert strong["candidates"][0]["coverage"] == 1.0 and strong["reason"] is None
+    assert weak == {"operation": "scan", "abstained": True, "candidates": [],
+                    "reason": "low_coverage"}  # fmt: skip
+
+
+# ------------------------------------------------------------------------ paired runs
+
+
+def test_paired_statistics_match_values_computed_by_hand() -> None:
+    """McNemar's exact test and Clopper-Pearson, against closed forms and standard tables."""
+    assert tactmem._binomial_cdf(2, 9, 0.5) == pytest.approx(46 / 512, abs=1e-15)
+    assert tactmem._mcnemar_exact(7, 2) == pytest.approx(2 * 46 / 512, abs=1e-12)  # 0.1797
+    assert tactmem._mcnemar_exact(8, 2) == pytest.approx(112 / 1024, abs=1e-12)
+    assert tactmem._mcnemar_exact(3, 3) == 1.0 and tactmem._mcnemar_exact(0, 0) == 1.0
+    assert tactmem._clopper_pearson(5, 5) == pytest.approx((0.025**0.2, 1.0), abs=1e-12)
+    assert tactmem._clopper_pearson(0, 10) == pytest.approx((0.0, 1 - 0.025**0.1), abs=1e-12)
+    assert tactmem._clopper_pearson(8, 10) == pytest.approx((0.4439, 0.9748), abs=5e-5)
+    assert tactmem._clopper_pearson(1000, 2000) == pytest.approx((0.4778, 0.5222), abs=5e-4)
+    pairs = [(True, False)] * 5 + [(True, True)] * 3 + [(False, False)] * 2
+    difference = tactmem._paired_difference(pairs)
+    assert difference.pop("ci95") == pytest.approx([0.5 * (2 * 0.025**0.2 - 1), 0.5])
+    assert difference == pytest.approx({
+        "tasks": 10, "with_memory": 0.8, "without_memory": 0.3, "difference": 0.5,
+        "memory_only": 5, "without_memory_only": 0, "mcnemar_exact_p": 0.0625,
+    })  # fmt: skip
+
+
+MARGINS = {"min_gain": 0.05, "contradiction_margin": 0.05, "false_memory_margin": 0.1,
+           "max_memory_tokens": 2000, "max_latency_increase_ms": 30000}  # fmt: skip
+
+
+def paired_rows(outcomes: Sequence[tuple[bool, bool]], **memory: Any) -> list[Any]:
+    rows = []
+    for index, (with_memory, without) in enumerate(outcomes):
+        task = f"t{index}"
+        rows.append(
+            (
+                {
+                    "task": task,
+                    "memory": True,
+                    "order": 1 + index % 2,
+                    "success": with_memory,
+                    **memory,
+                },
+                {
+                    "task": task,
+                    "memory": False,
+                    "order": 2 - index % 2,
+                    "success": without,
+                    "contradiction": False,
+                    "latency_ms": 1000,
+                },
+            )
+        )
+    return rows  # fmt: skip
+
+
+def test_the_paired_verdict_keeps_removes_or_keeps_disabled() -> None:
+    recorded = {"contradiction": False, "false_memory": False, "memory_tokens": 300,
+                "latency_ms": 1500}  # fmt: skip
+    strong = tactmem._paired_report(paired_rows([(True, False)] * 40, **recorded), MARGINS)
+    assert strong["verdict"] == "keep" and set(strong["checks"].values()) == {"pass"}
+    assert strong["memory_first"] == 20 and strong["latency_increase_ms_mean"] == 500
+    flat = tactmem._paired_report(paired_rows([(True, True)] * 40, **recorded), MARGINS)
+    assert flat["checks"]["success_gain"] == "fail" and flat["verdict"] == "remove"
+    costly = tactmem._paired_report(
+        paired_rows([(True, False)] * 40, **{**recorded, "memory_tokens": 5000}), MARGINS
+    )
+    assert costly["checks"]["memory_tokens"] == "fail" and costly["verdict"] == "remove"
+    unrecorded = tactmem._paired_report(paired_rows([(True, False)] * 40), MARGINS)
+    assert unrecorded["checks"]["false_memory"] == "not_recorded"
+    assert unrecorded["verdict"] == "keep_disabled"
+
+
+def test_eval_paired_judges_the_shipped_example(capsys: pytest.CaptureFixture[str]) -> None:
+    example = str(EVAL / "paired" / "example.jsonl")
+    thresholds = str(EVAL / "thresholds.toml")
+    status, out, err = run_cli(capsys, "--json", "eval", "--paired", example, "--thresholds",
+                               thresholds)  # fmt: skip
+    report = json.loads(out)
+    assert (status, err, report["verdict"]) == (1, "", "keep_disabled")
+    assert report["tasks"] == 24 and report["memory_first"] == 12
+    assert report["success"]["mcnemar_exact_p"] == pytest.approx(92 / 512)
+    assert report["success"]["difference"] == pytest.approx(5 / 24)
+    status, out, _ = run_cli(capsys, "eval", "--paired", example, "--thresholds", thresholds)
+    assert "exact McNemar p = 0.1797" in out and out.endswith("verdict: keep_disabled\n")
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"task": "a", "memory": True, "order": 1, "success": True}], "with memory and one"),
+        ([{"task": "a", "memory": True, "order": 1, "success": True},
+          {"task": "a", "memory": False, "order": 1, "success": True}], "orders 1 and 2"),
+        ([{"task": "a", "memory": "yes", "order": 1, "success": True}], "'memory' must be"),
+        ([{"task": "a", "memory": True, "order": 1}], "missing the field 'success'"),
+    ],
+)  # fmt: skip
+def test_malformed_paired_runs_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rows: list[Any], message: str
+) -> None:
+    path = scenario_file(tmp_path, rows, "runs")
+    thresholds = str(EVAL / "thresholds.toml")
+    status, out, err = run_cli(capsys, "eval", "--paired", path, "--thresholds", thresholds)
+    assert (status, out) == (2, "") and message in err
+    no_margins = tmp_path / "t.toml"
+    no_margins.write_text("[paired]\nmin_gain = 0.1\n", encoding="utf-8")
+    status, _, err = run_cli(capsys, "eval", "--paired", path, "--thresholds", str(no_margins))
+    assert status == 2 and "needs every [paired] margin" in err
 
 
 # ============================================================================ reliability

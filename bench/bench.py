@@ -670,6 +670,24 @@ def run(
             lambda: corpus.rank(tactmem._query_terms(query), TOP),
         )
 
+    def coverage(query: str) -> None:
+        """What the coverage signal adds: the same ranking, then each card's coverage."""
+        corpus = store._corpus
+
+        def covered() -> list[float]:
+            terms = tactmem._query_terms(query)
+            return [corpus.coverage(terms, doc_id) for doc_id, _ in corpus.rank(terms, TOP)]
+
+        timed(samples, "tactmem ranking + each card's coverage (cached)", covered)
+
+    def opt_in(query: str) -> None:
+        corpus, limits, floor = store._corpus, store.limits, tactmem.RECOMMENDED_MIN_COVERAGE
+        timed(
+            samples,
+            "tactmem scan plan at RECOMMENDED_MIN_COVERAGE (cached)",
+            lambda: tactmem._plan_scan(corpus, tactmem._query_terms(query), TOP, limits, floor),
+        )
+
     def fts_only(query: str) -> None:
         timed(samples, "FTS5 bm25 top 5 + previews", lambda: fts_scan(fts, query))
 
@@ -748,7 +766,8 @@ def run(
                 (text, tactmem.normalized_identity(text), key.version, doc_id),
             )
 
-    steps = [scan, ranking, fts_only, fts_telemetry, naive_design, read, mutations, refresh]
+    steps = [scan, ranking, coverage, opt_in, fts_only, fts_telemetry, naive_design, read,
+             mutations, refresh]  # fmt: skip
     for query in queries[:3]:  # warm up every path, then forget it
         for step in steps:
             step(query)
@@ -815,10 +834,14 @@ TARGETS: Final = (
      "bare BEGIN IMMEDIATE; INSERT; COMMIT", 0.5, 1.2),
     ("CLI scan p50 / python -c 'import attrs, sqlite3' p50", "process: tactmem scan (CLI)",
      "process: python -c 'import attrs, sqlite3'", 0.5, 1.5),
+    ("ranking + coverage p50 / ranking p50 (issue 11: under 10% more)",
+     "tactmem ranking + each card's coverage (cached)", "tactmem ranking only (cached)", 0.5, 1.1),
 )  # fmt: skip
 INFORMATIONAL: Final = (
     ("warm ranking p50 / FTS5 p50", "tactmem ranking only (cached)",
      "FTS5 bm25 top 5 + previews", 0.5),
+    ("opt-in scan plan p50 / ranking p50", "tactmem scan plan at RECOMMENDED_MIN_COVERAGE (cached)",
+     "tactmem ranking only (cached)", 0.5),
     ("naive p50 / warm scan p50", "naive: re-read + re-tokenize + telemetry",
      "tactmem Store.scan, warm", 0.5),
     ("warm scan p50 / FTS5 (no telemetry) p50", "tactmem Store.scan, warm",
