@@ -522,8 +522,7 @@ class _Corpus:
         self._ids: list[int] = []  # visible ids in order; empty until the first rank
         self._positions: dict[int, int] = {}
         self._norms: list[float] = []
-        self._weights: dict[str, tuple[list[int], list[float]]] = {}  # positions, weights
-        self._idfs: dict[str, float] = {}  # kept through a query, unlike the weights
+        self._weights: dict[str, tuple[list[int], list[float], float]] = {}  # and the idf
         self._stems: dict[int, frozenset[str]] = {}  # each term's `_stem`, once asked for
 
     def update(self, rows: Sequence[tuple[int, int, object]]) -> None:
@@ -565,8 +564,6 @@ class _Corpus:
         """
         if limit <= 0 or not self.counts or not terms:
             return []
-        if len(self._idfs) >= _CACHED_TERMS:
-            self._idfs = {}
         if not self._ids:  # first rank since a change
             self._ids = sorted(self.counts)
             self._positions = {doc_id: position for position, doc_id in enumerate(self._ids)}
@@ -576,16 +573,15 @@ class _Corpus:
                 for length in map(self.lengths.__getitem__, self._ids)
             ]
             self._weights = {}
-            self._idfs = {}
         scores = [0.0] * len(self._ids)
         for term in terms:
-            positions, weights = self._weights.get(term) or self._term_weights(term)
+            positions, weights, _ = self._weights.get(term) or self._term_weights(term)
             for position, weight in zip(positions, weights, strict=True):
                 scores[position] += weight
         best = heapq.nlargest(limit, range(len(scores)), key=scores.__getitem__)  # stable
         return [(self._ids[position], scores[position]) for position in best if scores[position]]
 
-    def _term_weights(self, term: str) -> tuple[list[int], list[float]]:
+    def _term_weights(self, term: str) -> tuple[list[int], list[float], float]:
         if len(self.postings) >= _CACHED_TERMS:  # terms no document has add up
             self.postings.clear()
             self._weights.clear()
@@ -594,7 +590,7 @@ class _Corpus:
             posting = {doc_id: c[term] for doc_id, c in self.counts.items() if term in c}
             self.postings[term] = posting
         n, df = len(self._ids), len(posting)
-        idf = self._idfs[term] = math.log(1 + (n - df + 0.5) / (df + 0.5))
+        idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
         k1_plus_1 = _BM25_K1 + 1
         positions = list(map(self._positions.__getitem__, posting))
         weights = [
@@ -603,26 +599,28 @@ class _Corpus:
                 posting.values(), map(self._norms.__getitem__, positions), strict=True
             )
         ]
-        self._weights[term] = (positions, weights)
-        return positions, weights
+        self._weights[term] = (positions, weights, idf)
+        return positions, weights, idf
 
-    def coverage(self, terms: Sequence[str], doc_id: int) -> float:
-        """How much of the query's evidence the document holds, in [0, 1], after `rank` with
+    def coverage(self, terms: Sequence[str]) -> Callable[[int], float]:
+        """How much of the query's evidence a document holds, in [0, 1], after `rank` with
         these terms: each distinct query term that is not a function word (all of them if
         every one is) weighs the square root of its BM25 idf, and the share of that weight
-        whose terms the document holds, as they are or by `_stem`, is the coverage."""
-        counts = self.counts[doc_id]
-        stems = self._stems.get(doc_id)
-        if stems is None:
-            stems = self._stems[doc_id] = frozenset(map(_stem, counts))
-        content = [term for term in terms if term not in _FUNCTION_WORDS] or terms
-        weights = [math.sqrt(self._idfs[term]) for term in content]
-        held = sum(
-            weight
-            for term, weight in zip(content, weights, strict=True)
-            if term in counts or _stem(term) in stems
-        )
-        return held / sum(weights)
+        whose terms the document holds, as they are or by `_stem`, is its coverage."""
+        subject = [term for term in terms if term not in _FUNCTION_WORDS] or terms
+        weights = [
+            (term, _stem(term), math.sqrt((self._weights.get(term) or self._term_weights(term))[2]))
+            for term in subject
+        ]
+        total = sum(weight for _, _, weight in weights)
+
+        def of(doc_id: int) -> float:
+            counts, stems = self.counts[doc_id], self._stems.get(doc_id)
+            if stems is None:
+                stems = self._stems[doc_id] = frozenset(map(_stem, counts))
+            return sum(w for term, stem, w in weights if term in counts or stem in stems) / total
+
+        return of
 
 
 def rank(
@@ -846,8 +844,11 @@ def _plan_scan(
     walked, so a weak record never takes the place of a covering one below it."""
     room = max(0, min(limit, limits.scan_results))
     ranked = corpus.rank(terms, room if min_coverage <= 0 or not room else len(corpus.counts))
-    covered = ((doc_id, score, corpus.coverage(terms, doc_id)) for doc_id, score in ranked)
-    kept = list(itertools.islice((card for card in covered if card[2] >= min_coverage), room))
+    kept = []
+    if ranked:  # coverage weighs the terms by the idfs this ranking worked out
+        coverage = corpus.coverage(terms)
+        covered = ((doc_id, score, coverage(doc_id)) for doc_id, score in ranked)
+        kept = list(itertools.islice((card for card in covered if card[2] >= min_coverage), room))
     cards = tuple(
         Candidate(Key(doc_id, corpus.rows[doc_id][1]), preview(corpus.contents[doc_id]), *scores)
         for doc_id, *scores in kept
@@ -1000,8 +1001,9 @@ class _Request:
 
 
 def _field_label(name: object) -> str:
-    """Name a field in an error only when it looks like a field name, never echo arbitrary text."""
-    if isinstance(name, str) and _FIELD_NAME.fullmatch(name):
+    """Name a field in an error only when it looks like a field name (and not a credential),
+    never echo arbitrary text."""
+    if isinstance(name, str) and _FIELD_NAME.fullmatch(name) and find_secret(name) is None:
         return repr(name)
     return "(a name that is not shown)"
 
@@ -1796,32 +1798,40 @@ class _BadScenario(TactmemError):
 
 
 _AGENTS: Final = ("root", "child")
-_WRITE_ERRORS: Final = frozenset(
-    error.code
-    for error in (
-        EmptyContent, ContentTooLarge, RecordCapacity, ContentCapacity, DatabaseCapacity,
-        SecretRejected, Duplicate, NotFound, Conflict, NotRoot, ScanRequired, InvalidRequest,
-    )
+_LIMIT_FIELDS: Final = tuple(field.name for field in attrs.fields(Limits))
+_PUT_OUTCOMES: Final = (
+    "stored", "duplicate", "secret_rejected", "content_too_large", "empty_content",
+    "record_capacity", "content_capacity", "database_capacity", "not_root", "scan_required",
+    "invalid_request",
 )  # fmt: skip
-_LIMIT_FIELDS: Final = (
-    "content_bytes", "records", "total_content_bytes", "database_bytes", "scan_results",
-    "query_bytes", "probation_ms",
-)  # fmt: skip
-# Each step's required fields, its optional ones (any step may add `note`), and the outcome
-# it expects unless it says otherwise.
-_STEPS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...], str | None]]] = {
-    "limits": ((), _LIMIT_FIELDS, None),
-    "put": (("content",), ("as", "agent", "expect"), "stored"),
-    "replace": (("target", "version", "content"), ("as", "agent", "expect"), "stored"),
-    "delete": (("target", "version"), ("agent", "expect"), "deleted"),
-    "scan": (("query", "relevant"), ("category", "agent"), None),
-    "read": (("ids",), ("agent",), None),
-    "advance": ((), ("ms", "days"), None),
-}
+_DELETE_OUTCOMES: Final = ("deleted", "conflict", "not_found", "not_root", "invalid_request")
+# Each step's required fields, its optional ones (any step may add `note`), and the outcomes
+# it may expect, the first unless it says otherwise.
+_STEPS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]]] = {
+    "limits": ((), _LIMIT_FIELDS, ()),
+    "put": (("content",), ("as", "agent", "expect"), _PUT_OUTCOMES),
+    "replace": (("target", "version", "content"), ("as", "agent", "expect"),
+                (*_PUT_OUTCOMES, "conflict", "not_found")),
+    "delete": (("target", "version"), ("agent", "expect"), _DELETE_OUTCOMES),
+    "scan": (("query", "relevant"), ("category", "agent"), ()),
+    "read": (("ids",), ("agent",), ()),
+    "advance": ((), ("ms", "days"), ()),
+}  # fmt: skip
+_DAY_MS: Final = 86_400_000
+_CENTURY_DAYS: Final = 36_525  # the longest advance: a file's clock cannot pass 2**63 ms
+
+
+def _is_text(value: object) -> bool:
+    """A string that is UTF-8 text (JSON can spell a lone surrogate; no store takes one)."""
+    return isinstance(value, str) and not any("\ud800" <= char <= "\udfff" for char in value)
 
 
 def _is_label(value: object) -> bool:
-    return isinstance(value, str) and bool(value)
+    return _is_text(value) and bool(value)
+
+
+def _is_number(value: object) -> bool:
+    return type(value) is int or (type(value) is float and math.isfinite(value))
 
 
 def _is_count(value: object) -> bool:
@@ -1830,9 +1840,9 @@ def _is_count(value: object) -> bool:
 
 # What each field must hold, and how to say so.
 _STEP_FIELDS: Final[dict[str, tuple[Callable[[Any], bool], str]]] = {
-    "content": (lambda value: isinstance(value, str), "a string"),
-    "query": (lambda value: isinstance(value, str), "a string"),
-    "note": (lambda value: isinstance(value, str), "a string"),
+    "content": (_is_text, "a string of text"),
+    "query": (_is_text, "a string of text"),
+    "note": (_is_text, "a string of text"),
     "category": (_is_label, "a non-empty string"),
     "as": (_is_label, "a non-empty string"),
     "target": (_is_label, "a label"),
@@ -1844,9 +1854,10 @@ _STEP_FIELDS: Final[dict[str, tuple[Callable[[Any], bool], str]]] = {
     "expect": (lambda value: isinstance(value, str), "an outcome"),
     "version": (lambda value: value in ("current", "stale") or (_is_count(value) and value > 0),
                 '"current", "stale" or a positive integer'),
-    "ms": (_is_count, "a whole number of milliseconds"),
-    "days": (lambda value: _is_count(value) or (type(value) is float and 0 <= value < 1e6),
-             "a number of days"),
+    "ms": (lambda value: _is_count(value) and value <= _CENTURY_DAYS * _DAY_MS,
+           "a whole number of milliseconds, at most a century"),
+    "days": (lambda value: type(value) in (int, float) and 0 <= value <= _CENTURY_DAYS,
+             "a number of days, at most a century"),
     **{name: (lambda value: _is_count(value) and value > 0, "a positive integer")
        for name in _LIMIT_FIELDS},
 }  # fmt: skip
@@ -1862,16 +1873,24 @@ def _json_lines(text: str, source: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """The objects of a JSON-lines file, each with its `file:line`; blank lines are skipped."""
     import json
 
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):  # not U+2028 and the like
         if line.strip():
             where = f"{source}:{number}"
             try:
-                value = json.loads(line, parse_constant=_reject_constant)
+                value = json.loads(line, parse_constant=_reject_constant, object_pairs_hook=_once)
             except (ValueError, RecursionError):
                 value = None
             if not isinstance(value, dict):
-                raise _BadScenario(f"{where}: not a JSON object")
+                raise _BadScenario(f"{where}: not a JSON object (or one that repeats a field)")
             yield where, value
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose fields are all different (the last of a repeated one would win)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise ValueError("a repeated field")
+    return value
 
 
 def _check_line(
@@ -1899,9 +1918,9 @@ def _parse_scenario(text: str, source: str) -> tuple[Limits, list[_EvalStep]]:
         kind = step.pop("step", None)
         if not isinstance(kind, str) or kind not in _STEPS:
             raise _BadScenario(f"{where}: step must be one of {', '.join(_STEPS)}")
-        required, optional, default = _STEPS[kind]
+        required, optional, outcomes = _STEPS[kind]
         _check_line(where, step, (required, (*optional, "note")), _STEP_FIELDS, f"{kind} step")
-        if step.get("expect", default) not in (default, *_WRITE_ERRORS):
+        if "expect" in step and step["expect"] not in outcomes:
             raise _BadScenario(f"{where}: {kind} step expects an outcome it cannot have")
         if kind == "limits" and steps:
             raise _BadScenario(f"{where}: a limits step must be the first step")
@@ -1922,7 +1941,7 @@ def _parse_scenario(text: str, source: str) -> tuple[Limits, list[_EvalStep]]:
 class _ScanOutcome(NamedTuple):
     source: str
     category: str
-    relevant: frozenset[int | str]  # ids, or the labels of records that were never stored
+    relevant: frozenset[int]  # the stored records that answer it
     returned: tuple[int, ...]
 
 
@@ -2009,9 +2028,10 @@ _PAIRED_FIELDS: Final[dict[str, tuple[Callable[[Any], bool], str]]] = {
     "contradiction": (lambda value: type(value) is bool, "true or false"),
     "false_memory": (lambda value: type(value) is bool, "true or false"),
     "memory_tokens": (_is_count, "a whole number"),
-    "latency_ms": (lambda value: type(value) in (int, float) and 0 <= value < 1e12, "a number"),
-    "note": (lambda value: isinstance(value, str), "a string"),
+    "latency_ms": (lambda value: _is_number(value) and 0 <= value < 1e12, "a number"),
+    "note": (_is_text, "a string of text"),
 }
+_BOTH_RUNS: Final = ("contradiction", "latency_ms")  # figures compared within a pair
 _PAIRED_MARGINS: Final = (
     "min_gain", "contradiction_margin", "false_memory_margin", "max_memory_tokens",
     "max_latency_increase_ms",
@@ -2025,9 +2045,15 @@ def _parse_paired(text: str, source: str) -> list[tuple[dict[str, Any], dict[str
     for where, row in _json_lines(text, source):
         _check_line(where, row, (required, tuple(_PAIRED_FIELDS)), _PAIRED_FIELDS, "paired run")
         pair = runs.setdefault(row["task"], {})
-        if row["memory"] in pair or (pair and pair[not row["memory"]]["order"] == row["order"]):
+        other = pair.get(not row["memory"])
+        if row["memory"] in pair or (other and other["order"] == row["order"]):
             raise _BadScenario(f"{where}: a task has one run with memory and one without, in"
                                " orders 1 and 2")  # fmt: skip
+        if "false_memory" in row and not row["memory"]:
+            raise _BadScenario(f"{where}: false_memory is recorded on runs with memory only")
+        if other and any((name in row) != (name in other) for name in _BOTH_RUNS):
+            raise _BadScenario(f"{where}: contradiction and latency_ms are recorded on both"
+                               " runs of a task, or on neither")  # fmt: skip
         pair[row["memory"]] = row
     if not runs or any(len(pair) != 2 for pair in runs.values()):
         raise _BadScenario(f"{source}: every task needs a run with memory and one without")
@@ -2077,21 +2103,40 @@ def _mcnemar_exact(only_first: int, only_second: int) -> float:
     return min(1.0, 2 * _binomial_cdf(min(only_first, only_second), discordant, 0.5))
 
 
+_Z95: Final = 1.959963984540054  # the standard normal's 97.5th percentile
+
+
+def _wilson(k: int, n: int) -> tuple[float, float]:
+    """The Wilson score 95% interval for a proportion of k in n (n > 0)."""
+    z2 = _Z95 * _Z95
+    centre, half = (2 * k + z2), _Z95 * math.sqrt(z2 + 4 * k * (1 - k / n))
+    return (centre - half) / (2 * (n + z2)), (centre + half) / (2 * (n + z2))
+
+
 def _paired_difference(pairs: Sequence[tuple[bool, bool]]) -> dict[str, Any]:
-    """A paired binary outcome (with memory, without): the two rates, their difference, its
-    exact conditional 95% interval (Clopper-Pearson on the discordant pairs, scaled by their
-    share), and the exact McNemar p-value."""
+    """A paired binary outcome (with memory, without): the two rates, their difference with
+    Newcombe's (1998) method-10 95% interval (the two rates' Wilson intervals, combined with
+    the pairs' correlation), and the exact McNemar p-value."""
     n = len(pairs)
+    both = sum(a and b for a, b in pairs)
     first = sum(a and not b for a, b in pairs)
     second = sum(b and not a for a, b in pairs)
-    discordant = first + second
-    low, high = _clopper_pearson(first, discordant) if discordant else (0.5, 0.5)
+    neither = n - both - first - second
+    p1, p2 = (both + first) / n, (both + second) / n
+    (l1, u1), (l2, u2) = _wilson(both + first, n), _wilson(both + second, n)
+    margins = (both + first) * (second + neither) * (both + second) * (first + neither)
+    cross = both * neither - first * second
+    corrected = max(cross - n / 2, 0) if cross > 0 else cross  # Newcombe's correction
+    phi = corrected / math.sqrt(margins) if margins else 0.0
+    below = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    above = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+    difference = (first - second) / n
     return {
         "tasks": n,
-        "with_memory": sum(a for a, _ in pairs) / n,
-        "without_memory": sum(b for _, b in pairs) / n,
-        "difference": (first - second) / n,
-        "ci95": [discordant / n * (2 * low - 1), discordant / n * (2 * high - 1)],
+        "with_memory": p1,
+        "without_memory": p2,
+        "difference": difference,
+        "ci95": [max(-1.0, difference - below), min(1.0, difference + above)],
         "memory_only": first,
         "without_memory_only": second,
         "mcnemar_exact_p": _mcnemar_exact(first, second),
@@ -2153,19 +2198,18 @@ def _paired_report(
     }
 
 
-class _RunFigures:
-    """What one scenario run saw (filled in by the shell's `_Scenario`): `_eval_report`'s input."""
+class _RunFigures(NamedTuple):
+    """What one scenario run saw, as the shell's `_Scenario` hands it to `_eval_report`."""
 
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.scans: list[_ScanOutcome] = []
-        self.missed: list[dict[str, str]] = []
-        self.contract: Counter[str] = Counter()
-        self.telemetry: Counter[str] = Counter()
-        self.latency_ms: dict[str, list[float]] = {}
-        self.answer_bytes: dict[str, list[int]] = {}
-        self.file_bytes: dict[str, int] = {}
-        self.swept: dict[float, list[_ScanOutcome]] = {}  # `--sweep`: the scans at each point
+    source: str
+    scans: tuple[_ScanOutcome, ...]
+    missed: tuple[Mapping[str, str], ...]  # {where, expected, got}
+    contract: Mapping[str, int]  # counts: met expectations, broken promises, probation checks
+    telemetry: Mapping[str, int]
+    latency_ms: Mapping[str, tuple[float, ...]]  # per operation
+    answer_bytes: Mapping[str, tuple[int, ...]]  # per scan and read answer
+    file_bytes: Mapping[str, int]  # per file suffix ("" is the main file)
+    swept: Mapping[float, tuple[_ScanOutcome, ...]]  # `--sweep`: the scans at each point
 
 
 def _eval_report(
@@ -2176,7 +2220,7 @@ def _eval_report(
 ) -> dict[str, Any]:
     """The report of `tactmem eval` (its keys are documented in the README)."""
     scans = [scan for run in runs for scan in run.scans]
-    counts = sum((run.contract for run in runs), Counter[str]())
+    counts = sum((Counter(run.contract) for run in runs), Counter[str]())
     missed = [miss for run in runs for miss in run.missed]
 
     def share(group: str) -> float | None:
@@ -2187,7 +2231,7 @@ def _eval_report(
     reference = _retrieval([scan for run in baseline for scan in run.scans]) if baseline else None
     recall, base = metrics["recall_at_5"], (reference or metrics)["recall_at_5"]
     metrics["recall_loss"] = None if recall is None or base is None else base - recall
-    telemetry = sum((run.telemetry for run in runs), Counter[str]())
+    telemetry = sum((Counter(run.telemetry) for run in runs), Counter[str]())
     report: dict[str, Any] = {
         "files": [run.source for run in runs],
         "min_coverage": min_coverage,
@@ -2257,13 +2301,13 @@ def _parse_thresholds(text: str, source: str) -> dict[str, Any]:
 
     try:
         table = tomllib.loads(text)
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         raise _BadScenario(f"{source}: not valid TOML") from None
     known = {name for section in _THRESHOLD_SECTIONS for name in _eval_report([], 0.0, {})[section]}
     allowed = {"min": known, "max": known, "paired": set(_PAIRED_MARGINS)}
     for name, value in table.items():
         if name == "min_coverage":
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+            if not _is_number(value) or not 0 <= value <= 1:
                 raise _BadScenario(f"{source}: min_coverage must be a number from 0 to 1")
         elif name not in allowed or not isinstance(value, dict):
             raise _BadScenario(f"{source}: unknown setting {_field_label(name)}")
@@ -2272,8 +2316,8 @@ def _parse_thresholds(text: str, source: str) -> dict[str, Any]:
                 if figure not in allowed[name]:
                     raise _BadScenario(f"{source}: [{name}] names an unknown figure"
                                        f" {_field_label(figure)}")  # fmt: skip
-                if isinstance(target, bool) or not isinstance(target, int | float):
-                    raise _BadScenario(f"{source}: [{name}] {figure} must be a number")
+                if not _is_number(target):
+                    raise _BadScenario(f"{source}: [{name}] {figure} must be a finite number")
     return table
 
 
@@ -2293,6 +2337,7 @@ def _eval_lines(report: Mapping[str, Any]) -> Iterator[str]:
     yield f"{'':<34}{'scans':>6}{'no-ans':>7}" + "".join(f"{x:>9}" for x in _RETRIEVAL.values())
     groups = [("all", metrics), *report["per_category"].items(), *report["per_file"].items()]
     for name, figures in groups:
+        name = _displayable(name)  # categories and file names come from the user's files
         label = name if len(name) <= 33 else "\u2026" + name[-32:]
         cells = "".join(f"{_figure(figures[column]):>9}" for column in _RETRIEVAL)
         yield f"{label:<34}{figures['scans']:>6}{figures['unanswerable']:>7}{cells}"
@@ -2305,7 +2350,7 @@ def _eval_lines(report: Mapping[str, Any]) -> Iterator[str]:
     for row in report["thresholds"]:
         sign = ">=" if row["bound"] == "min" else "<="
         verdict = "PASS" if row["passed"] else "MISS"
-        yield f"{verdict} {row['metric']} {sign} {row['target']:g} ({_figure(row['value'])})"
+        yield f"{verdict} {row['metric']} {sign} {_figure(row['target'])} ({_figure(row['value'])})"
     for miss in report["expectations"]["misses"]:
         yield f"MISS {miss['where']}: expected {miss['expected']}, got {miss['got']}"
     yield "passed" if report["passed"] else "FAILED"
@@ -2713,9 +2758,9 @@ class Store:
 
 def _execute(store: Backend, request: _Request, now_ms: int, min_coverage: float = 0.0) -> Any:
     """Carry out a checked request on any backend: its result, or the key it deleted."""
-    if request.operation == "scan":
-        limit = request.limit
-        return store.scan(request.query, limit=limit, min_coverage=min_coverage, now_ms=now_ms)
+    if request.operation == "scan":  # a backend without `min_coverage` serves the default
+        floor = {"min_coverage": min_coverage} if min_coverage else {}
+        return store.scan(request.query, limit=request.limit, now_ms=now_ms, **floor)
     if request.operation == "read":
         return store.read(request.ids, now_ms=now_ms)
     if request.operation == "put":
@@ -2986,14 +3031,13 @@ def _next_key_waiting(screen: Any) -> bool:
 # ------------------------------------------------------------------------ evaluation runs
 
 _EVAL_EPOCH_MS: Final = 1_767_225_600_000  # 2026-01-01T00:00:00Z: scenario clocks start here
-_DAY_MS: Final = 86_400_000
 _EVAL_FILE_BYTES: Final = 16 << 20  # a scenario or paired-run file larger than this is refused
 
 
 class _Scenario:
     """One scenario file run on a fresh store through a root and a child `MemoryTool`, as
     agents call them, on a clock that starts at `_EVAL_EPOCH_MS` and moves 1 ms per call (and
-    as `advance` steps say). What it saw is kept for `_eval_report`."""
+    as `advance` steps say). `run` hands what it saw to `_eval_report`."""
 
     def __init__(
         self, store: Store, source: str, min_coverage: float, sweep: Sequence[float] = ()
@@ -3005,39 +3049,47 @@ class _Scenario:
         }
         self.labels: dict[str, Key] = {}
         self.live: dict[int, int | None] = {}  # id -> its probation's end, None once read
-        self.figures = _RunFigures(source)
+        self.scans: list[_ScanOutcome] = []
+        self.swept: dict[float, list[_ScanOutcome]] = {point: [] for point in sweep}
+        self.missed: list[dict[str, str]] = []
+        self.counts: Counter[str] = Counter()
+        self.latency_ms: dict[str, list[float]] = {}
+        self.answer_bytes: dict[str, list[int]] = {}
 
     def run(self, steps: Iterable[_EvalStep]) -> _RunFigures:
         for step in steps:
             getattr(self, f"_{step.kind}")(step, step.fields.get("agent", "root"))
         records = self.store.list(now_ms=self.now)
-        self.figures.telemetry.update(
-            scan_marks=sum(record.scan_count for record in records),
-            use_marks=sum(record.use_count for record in records),
-            scanned_never_read=sum(r.scan_count >= 3 and not r.use_count for r in records),
-        )
-        self.figures.file_bytes.update(self.store._stats(now_ms=self.now)["file_bytes"])
-        return self.figures
+        telemetry = {
+            "scan_marks": sum(record.scan_count for record in records),
+            "use_marks": sum(record.use_count for record in records),
+            "scanned_never_read": sum(r.scan_count >= 3 and not r.use_count for r in records),
+        }
+        return _RunFigures(
+            self.source, tuple(self.scans), tuple(self.missed), dict(self.counts), telemetry,
+            {name: tuple(times) for name, times in self.latency_ms.items()},
+            {name: tuple(sizes) for name, sizes in self.answer_bytes.items()},
+            self.store._stats(now_ms=self.now)["file_bytes"],
+            {point: tuple(scans) for point, scans in self.swept.items()},
+        )  # fmt: skip
 
     def call(self, agent: str, request: dict[str, Any]) -> dict[str, Any]:
         self.now += 1
         started = time.perf_counter()
         answer = self.tools[agent].call(request, now_ms=self.now)
         operation = request["operation"]
-        self.figures.latency_ms.setdefault(operation, []).append(
-            (time.perf_counter() - started) * 1000
-        )
+        self.latency_ms.setdefault(operation, []).append((time.perf_counter() - started) * 1000)
         if operation in ("scan", "read"):
-            self.figures.answer_bytes.setdefault(operation, []).append(len(_json(answer)))
+            self.answer_bytes.setdefault(operation, []).append(len(_json(answer)))
         return answer
 
     def settle(self, step: _EvalStep, answer: Mapping[str, Any], success: str) -> bool:
         """Check a write's expected outcome, and count the promises a success broke."""
         got = answer["error"]["code"] if "error" in answer else success
-        self.expect(step, step.fields.get("expect", success), got)
+        expected = step.fields.get("expect", success)
+        self.expect(step, expected, got)
         if got == success:
-            expected = step.fields.get("expect", success)
-            self.figures.contract.update(
+            self.counts.update(
                 name
                 for name, broken in (
                     ("duplicate_puts_accepted", expected == "duplicate"),
@@ -3052,9 +3104,9 @@ class _Scenario:
 
     def expect(self, step: _EvalStep, expected: str, got: str) -> None:
         if got == expected:
-            self.figures.contract["expectations_met"] += 1
+            self.counts["expectations_met"] += 1
         else:
-            self.figures.missed.append({"where": step.where, "expected": expected, "got": got})
+            self.missed.append({"where": step.where, "expected": expected, "got": got})
 
     def version(self, step: _EvalStep) -> int:
         """The version a write names: the one last seen, one the record no longer has (the one
@@ -3079,7 +3131,8 @@ class _Scenario:
         if self.settle(step, answer, "stored"):
             key = Key(**answer["memory"]["key"])
             self.labels.update({label: key for label in (target, step.fields.get("as")) if label})
-            self.live[key.id] = answer["memory"]["probation_until_ms"]
+            # the probation the rules promise, not the one the store reports
+            self.live[key.id] = min(self.now + self.store.limits.probation_ms, _MAX_SQL_INT)
 
     _replace = _put
 
@@ -3098,22 +3151,24 @@ class _Scenario:
             self.live.pop(doc_id, None)
 
     def _scan(self, step: _EvalStep, agent: str) -> None:
-        answer = self.call(agent, {"operation": "scan", "query": step.fields["query"]})
+        """A scored scan. Its relevant records are those of its labels still stored: a label
+        whose put was refused, or whose record was deleted or pruned, answers nothing."""
+        query = step.fields["query"]
+        answer = self.call(agent, {"operation": "scan", "query": query})
         if "error" in answer:
             self.expect(step, "a scan", answer["error"]["code"])
-        relevant = frozenset(
-            self.labels[label].id if label in self.labels else label  # a label never stored
-            for label in step.fields["relevant"]
-        )
+        labelled = (self.labels.get(label) for label in step.fields["relevant"])
+        relevant = frozenset(key.id for key in labelled if key and key.id in self.live)
         returned = tuple(card["key"]["id"] for card in answer.get("candidates", ()))
         category = step.fields.get("category", "uncategorized")
-        self.figures.scans.append(_ScanOutcome(self.source, category, relevant, returned))
+        self.scans.append(_ScanOutcome(self.source, category, relevant, returned))
         limits = self.store.limits
         for point in self.sweep:  # what a scan at each point would return, without telemetry
-            terms = _scan_terms(step.fields["query"], limits)
-            plan = _plan_scan(self.store._corpus, terms, limits.scan_results, limits, point)
-            outcome = _ScanOutcome(self.source, category, relevant, plan.scanned)
-            self.figures.swept.setdefault(point, []).append(outcome)
+            if "error" not in answer:
+                terms = _scan_terms(query, limits)
+                plan = _plan_scan(self.store._corpus, terms, limits.scan_results, limits, point)
+                returned = plan.scanned
+            self.swept[point].append(_ScanOutcome(self.source, category, relevant, returned))
 
     def _read(self, step: _EvalStep, agent: str) -> None:
         ids = [self.labels[label].id for label in step.fields["ids"] if label in self.labels]
@@ -3127,7 +3182,7 @@ class _Scenario:
     def _advance(self, step: _EvalStep, _: str) -> None:
         """Move the clock, then check probation: a record read since its last write, and an
         unread one within its period, is kept; an unread one past it is pruned."""
-        fields, counts = step.fields, self.figures.contract
+        fields, counts = step.fields, self.counts
         self.now += fields["ms"] if "ms" in fields else round(fields["days"] * _DAY_MS)
         present = {record.key.id for record in self.store.list(now_ms=self.now)}
         for doc_id, until in list(self.live.items()):
@@ -3140,18 +3195,34 @@ class _Scenario:
 
 
 def _read_eval_file(path: str) -> str:
-    """A scenario, paired-run or thresholds file: at most `_EVAL_FILE_BYTES`, UTF-8."""
-    try:
-        with open(path, "rb") as file:
-            data = file.read(_EVAL_FILE_BYTES + 1)
+    """A scenario, paired-run or thresholds file: a regular file of at most `_EVAL_FILE_BYTES`,
+    UTF-8 (a leading byte-order mark is dropped)."""
+    import stat
+
+    try:  # non-blocking, so that a FIFO with no writer is refused instead of waited on
+        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as file:
+            regular = stat.S_ISREG(os.fstat(file.fileno()).st_mode)
+            data = file.read(_EVAL_FILE_BYTES + 1) if regular else b""
     except OSError as error:
         raise _BadScenario(f"{path}: cannot be read ({error.strerror})") from None
+    if not regular:
+        raise _BadScenario(f"{path}: not a regular file")
     if len(data) > _EVAL_FILE_BYTES:
         raise _BadScenario(f"{path}: larger than {_EVAL_FILE_BYTES} bytes")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise _BadScenario(f"{path}: not UTF-8") from None
+
+
+def _shipped_scenarios() -> list[str]:
+    """The shipped scenario files, relative to the working directory."""
+    return sorted(
+        os.path.relpath(os.path.join(base, name))
+        for base in filter(None, map(_shipped_eval, ("dev", "heldout", "contract")))
+        for name in os.listdir(base)
+        if name.endswith(".jsonl")
+    )
 
 
 def _shipped_eval(name: str) -> str | None:
@@ -3177,37 +3248,30 @@ def _run_scenarios(
             tempfile.TemporaryDirectory(prefix="tactmem-eval-") as directory,
             Store(os.path.join(directory, "memory.sqlite3"), limits=limits) as store,
         ):
-            runs.append(_Scenario(store, source, min_coverage, sweep).run(steps))
+            try:
+                runs.append(_Scenario(store, source, min_coverage, sweep).run(steps))
+            except TactmemError as error:  # the runner's own list or stats, not a tool call
+                raise _BadScenario(f"{source}: the store refused the scenario ({error})") from None
     return runs
 
 
 def _eval_command(arguments: argparse.Namespace) -> int:
     """`tactmem eval`: score scenarios (or judge paired runs) against a thresholds file."""
-    path = arguments.thresholds or _shipped_eval("thresholds.toml")
+    if arguments.paired is not None and (arguments.files or arguments.sweep):
+        raise _UsageError("--paired judges recorded runs: it takes no scenario files or --sweep")
+    if arguments.min_coverage is not None and (arguments.sweep or arguments.paired):
+        raise _UsageError("--min-coverage does not apply to --sweep or --paired")
+    shipped = not arguments.files  # the shipped thresholds are for the shipped scenarios
+    path = arguments.thresholds or (_shipped_eval("thresholds.toml") if shipped else None)
     thresholds = {} if path is None else _parse_thresholds(_read_eval_file(path), path)
     if arguments.paired is not None:
         return _paired_command(arguments, thresholds)
-    files = arguments.files or sorted(
-        os.path.relpath(os.path.join(base, name))
-        for base in filter(None, map(_shipped_eval, ("dev", "heldout", "contract")))
-        for name in os.listdir(base)
-        if name.endswith(".jsonl")
-    )
+    files = arguments.files or _shipped_scenarios()
     if not files:
         raise _BadScenario("no scenario files given, and no fixtures/eval/ here to run")
     scenarios = [(file, *_parse_scenario(_read_eval_file(file), file)) for file in files]
     if arguments.sweep:
-        runs = _run_scenarios(scenarios, 0.0, _SWEEP)  # scans leave the ranking as it was
-        rows = [
-            (point, _retrieval([s for run in runs for s in run.swept[point]])) for point in _SWEEP
-        ]
-        lines = _sweep_lines(rows)
-        print(
-            _json([{"min_coverage": x, **row} for x, row in rows])
-            if arguments.json
-            else "\n".join(lines)
-        )
-        return 0
+        return _sweep_command(arguments, scenarios)
     coverage = arguments.min_coverage
     coverage = thresholds.get("min_coverage", 0.0) if coverage is None else coverage
     runs = _run_scenarios(scenarios, coverage)
@@ -3215,6 +3279,23 @@ def _eval_command(arguments: argparse.Namespace) -> int:
     report = _eval_report(runs, coverage, thresholds, baseline)
     print(_json(report) if arguments.json else "\n".join(_eval_lines(report)))
     return 0 if report["passed"] else 1
+
+
+def _sweep_command(
+    arguments: argparse.Namespace, scenarios: Sequence[tuple[str, Limits, list[_EvalStep]]]
+) -> int:
+    """`tactmem eval --sweep`: the curve, from one run (scans leave the ranking as it was)."""
+    runs = _run_scenarios(scenarios, 0.0, _SWEEP)
+    rows = [(x, _retrieval([scan for run in runs for scan in run.swept[x]])) for x in _SWEEP]
+    if arguments.json:
+        print(_json([{"min_coverage": x, **figures} for x, figures in rows]))
+    else:
+        print("\n".join(_sweep_lines(rows)))
+    missed = sum(len(run.missed) for run in runs)
+    if missed:
+        print(f"tactmem: {missed} expectations missed; run without --sweep to see them",
+              file=sys.stderr)  # fmt: skip
+    return 1 if missed else 0
 
 
 def _paired_command(arguments: argparse.Namespace, thresholds: Mapping[str, Any]) -> int:

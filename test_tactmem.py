@@ -1083,11 +1083,11 @@ def test_coverage_is_the_root_idf_share_of_the_subject_terms_held() -> None:
         return math.sqrt(math.log(1 + (3 - df + 0.5) / (df + 0.5)))
 
     everything = weight(2) + weight(0) + weight(1)  # ledgerline, migration, run
-    assert corpus.coverage(terms, 1) == (weight(2) + weight(0) + weight(1)) / everything
-    assert corpus.coverage(terms, 2) == weight(2) / everything
+    assert corpus.coverage(terms)(1) == (weight(2) + weight(0) + weight(1)) / everything
+    assert corpus.coverage(terms)(2) == weight(2) / everything
     only_grammar = tactmem._query_terms("how does the")
     corpus.rank(only_grammar, 3)
-    assert corpus.coverage(only_grammar, 3) == weight(1) / (weight(0) * 2 + weight(1))
+    assert corpus.coverage(only_grammar)(3) == weight(1) / (weight(0) * 2 + weight(1))
     assert tactmem._stem("migrations") == tactmem._stem("migration") == "migr"
     assert tactmem._stem("tags") == "tags" and tactmem._stem("日本語") == "日本語"
 
@@ -2388,6 +2388,13 @@ def test_mcp_server_over_stdio_with_the_sdk_client(tmp_path: Path) -> None:
         assert refused == {"error": {"code": "not_root", "message": tactmem.NotRoot.message}}
     (after,) = Store(db).list()
     assert (after.key, after.content) == (kept.key, kept.content)
+    scans = [call("memory", operation="scan", query=query)
+             for query in ("child server rollback", "child server")]  # fmt: skip
+    _, results = run(server("--child", "--min-coverage", "0.9"), scans)
+    weak, strong = (result.structured_content for result in results)
+    assert weak == {"operation": "scan", "abstained": True, "candidates": [],
+                    "reason": "low_coverage"}  # fmt: skip
+    assert strong is not None and strong["candidates"][0]["coverage"] == 1.0
 
 
 def test_schema_numbers_come_from_the_limits_in_use(tmp_path: Path) -> None:
@@ -3084,6 +3091,12 @@ def test_a_wrong_expectation_fails_eval_and_names_its_line(
         ('{"step": "limits", "records": 0}', "'records' must be a positive integer"),
         ('{"step": "put", "content": "hunter2 password=hunter2", "as": "a", "bogus": 1}',
          "unknown field"),
+        ('{"step": "put", "content": "x", "AKIAIOSFODNN7EXAMPLE": 1}', "a name that is not shown"),
+        ('{"step": "put", "content": "\\ud800 alpha"}', "must be a string of text"),
+        ('{"step": "scan", "step": "put", "content": "x"}', "repeats a field"),
+        ('{"step": "delete", "target": "a", "version": 1, "expect": "duplicate"}',
+         "an outcome it cannot have"),
+        ('{"step": "put", "content": "x", "expect": "conflict"}', "an outcome it cannot have"),
     ],
 )  # fmt: skip
 def test_a_malformed_scenario_is_one_clear_error_naming_its_line(
@@ -3115,7 +3128,7 @@ def test_a_limits_step_comes_first_and_sets_the_bounds(
     [
         ("min_coverage = 2", "min_coverage must be a number from 0 to 1"),
         ("[min]\nrecal_at_5 = 0.9", "unknown figure 'recal_at_5'"),
-        ("[max]\nfalse_retrieval = 'low'", "false_retrieval must be a number"),
+        ("[max]\nfalse_retrieval = 'low'", "false_retrieval must be a finite number"),
         ("colour = 1", "unknown setting 'colour'"),
         ("[min", "not valid TOML"),
     ],
@@ -3133,13 +3146,19 @@ def test_a_bad_thresholds_file_is_refused(
 def test_the_sweep_agrees_with_a_run_at_each_point(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`--sweep` plans every point's scan in one run; it must equal running at that point."""
+    """`--sweep` plans every point's scan in one run; it must equal running at that point,
+    on every shipped scenario."""
+    files = sorted(map(str, EVAL.glob("*/*.jsonl")))
+    scenarios = [
+        (file, *tactmem._parse_scenario(Path(file).read_text("utf-8"), file))
+        for file in files
+        if "paired" not in file
+    ]
+    runs = tactmem._run_scenarios(scenarios, 0.0, tactmem._SWEEP)
+    for point in (0.1, tactmem.RECOMMENDED_MIN_COVERAGE, 0.5):
+        alone = tactmem._run_scenarios(scenarios, point)
+        assert [run.swept[point] for run in runs] == [run.scans for run in alone], point
     source = str(EVAL / "dev" / "workspaces.jsonl")
-    scenarios = [(source, *tactmem._parse_scenario(Path(source).read_text("utf-8"), source))]
-    swept = tactmem._run_scenarios(scenarios, 0.0, tactmem._SWEEP)[0].swept
-    for point in (0.0, 0.2, tactmem.RECOMMENDED_MIN_COVERAGE, 0.5):
-        alone = tactmem._run_scenarios(scenarios, point)[0].scans
-        assert swept[point] == alone, point
     status, out, err = run_cli(capsys, "--json", "eval", "--sweep", source)
     rows = json.loads(out)
     assert (status, err) == (0, "") and [row["min_coverage"] for row in rows] == list(
@@ -3191,6 +3210,101 @@ def test_the_tool_command_drops_weak_cards_at_its_min_coverage(db: Path) -> None
                     "reason": "low_coverage"}  # fmt: skip
 
 
+def test_coverage_survives_the_term_cache_emptying_between_queries() -> None:
+    """The weights cache is dropped when a server has seen `_CACHED_TERMS` terms; a card's
+    coverage must still find every query term's idf (it once raised KeyError at ~8k terms)."""
+    corpus = tactmem._Corpus()
+    corpus.update([(1, 1, "alpha beta")])
+    for batch in range(tactmem._CACHED_TERMS // 40 + 2):
+        words = tactmem._query_terms(" ".join(f"w{batch}x{i}" for i in range(40)) + " alpha")
+        assert [
+            card.coverage for card in tactmem._plan_scan(corpus, words, 5, TINY).result.candidates
+        ]
+        (card,) = tactmem._plan_scan(corpus, ["alpha"], 5, TINY).result.candidates
+        assert card.coverage == 1.0
+
+
+def test_relevant_means_still_stored(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A relevant label whose put was refused, or whose record was deleted, answers nothing."""
+    steps: list[dict[str, Any]] = [
+        {"step": "put", "content": "Ask before force-pushing.", "as": "push"},
+        {"step": "put", "content": "password=hunter22", "as": "s", "expect": "secret_rejected"},
+        {"step": "scan", "query": "hunter22 password", "relevant": ["s"]},
+        {"step": "delete", "target": "push", "version": "current"},
+        {"step": "scan", "query": "force pushing", "relevant": ["push"]},
+    ]
+    report = json.loads(run_cli(capsys, "--json", "eval", scenario_file(tmp_path, steps))[1])
+    assert (report["metrics"]["answerable"], report["metrics"]["unanswerable"]) == (0, 2)
+    assert report["metrics"]["correct_abstention"] == 1.0 and report["passed"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--paired", "x.jsonl", "a.jsonl"], "takes no scenario files"),
+        (["--paired", "x.jsonl", "--sweep"], "takes no scenario files or --sweep"),
+        (["--sweep", "--min-coverage", "0.3"], "--min-coverage does not apply"),
+    ],
+)
+def test_eval_refuses_flags_that_do_not_go_together(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    status, out, err = run_cli(capsys, "eval", *argv)
+    assert (status, out) == (2, "") and message in err
+
+
+def test_eval_files_are_read_as_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """JSON lines split at newlines only (U+2028 inside a string is data); a clock that could
+    pass 2**63 ms, a nested or non-finite thresholds file and a huge file are refused cleanly."""
+    content = "A line\u2028separator and a next\u0085line."
+    odd: list[dict[str, Any]] = [
+        {"step": "put", "content": content, "as": "a"},
+        {"step": "scan", "query": "separator", "relevant": ["a"]},
+    ]
+    path = tmp_path / "odd.jsonl"
+    path.write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in odd), "utf-8")
+    assert run_cli(capsys, "eval", str(path))[0] == 0
+    far = scenario_file(tmp_path, [{"step": "advance", "ms": 2**63 - 1}], "far")
+    status, _, err = run_cli(capsys, "eval", far)
+    assert status == 2 and "at most a century" in err
+    for text in ("[min]\nrecall_at_5 = nan", "[max]\nfalse_retrieval = inf", "a = " + "[" * 3000):
+        thresholds = tmp_path / "t.toml"
+        thresholds.write_text(text, encoding="utf-8")
+        status, out, err = run_cli(capsys, "eval", str(path), "--thresholds", str(thresholds))
+        assert (status, out) == (2, "") and err.count("\n") == 1 and "Traceback" not in err
+    big = tmp_path / "big.jsonl"
+    with big.open("wb") as file:
+        file.truncate(tactmem._EVAL_FILE_BYTES + 1)
+    status, _, err = run_cli(capsys, "eval", str(big))
+    assert status == 2 and "larger than" in err
+    status, _, err = run_cli(capsys, "eval", str(tmp_path))  # a directory
+    assert status == 2 and "cannot be read" in err
+
+
+def test_eval_refuses_what_is_not_a_plain_file_and_names_a_store_refusal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    status, _, err = run_cli(capsys, "eval", str(fifo))  # no writer: refused, not waited on
+    assert status == 2 and "not a regular file" in err
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(SCENARIO[0]).encode() + b"\n")
+    assert run_cli(capsys, "eval", str(bom))[0] == 0
+    tiny = scenario_file(tmp_path, [{"step": "limits", "database_bytes": 1}, SCENARIO[0]], "tiny")
+    status, out, err = run_cli(capsys, "eval", tiny)
+    assert (status, out) == (2, "") and err.startswith(f"tactmem: {tiny}: the store refused")
+
+
+def test_user_scenarios_are_not_held_to_the_shipped_thresholds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = scenario_file(tmp_path, SCENARIO[:1])  # no scan: nothing for a retrieval threshold
+    status, out, _ = run_cli(capsys, "--json", "eval", path)
+    report = json.loads(out)
+    assert (status, report["thresholds"], report["min_coverage"]) == (0, [], 0.0)
+
+
 # ------------------------------------------------------------------------ paired runs
 
 
@@ -3206,11 +3320,29 @@ def test_paired_statistics_match_values_computed_by_hand() -> None:
     assert tactmem._clopper_pearson(1000, 2000) == pytest.approx((0.4778, 0.5222), abs=5e-4)
     pairs = [(True, False)] * 5 + [(True, True)] * 3 + [(False, False)] * 2
     difference = tactmem._paired_difference(pairs)
-    assert difference.pop("ci95") == pytest.approx([0.5 * (2 * 0.025**0.2 - 1), 0.5])
+    del difference["ci95"]
     assert difference == pytest.approx({
         "tasks": 10, "with_memory": 0.8, "without_memory": 0.3, "difference": 0.5,
         "memory_only": 5, "without_memory_only": 0, "mcnemar_exact_p": 0.0625,
     })  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("cells", "interval"),
+    [
+        ((36, 12, 2, 0), (0.0569, 0.3404)), ((18, 12, 2, 18), (0.0562, 0.3290)),
+        ((53, 0, 0, 1), (-0.0729, 0.0729)), ((0, 30, 0, 0), (0.8395, 1.0)),
+    ],
+)  # fmt: skip
+def test_the_paired_interval_is_newcombes_method_ten(
+    cells: tuple[int, int, int, int], interval: tuple[float, float]
+) -> None:
+    """The four examples Newcombe (1998, Statistics in Medicine 17:2635) gives for method 10:
+    (both succeed, only the first, only the second, neither) and the published 95% limits."""
+    both, first, second, neither = cells
+    pairs = [(True, True)] * both + [(True, False)] * first + [(False, True)] * second
+    ci95 = tactmem._paired_difference(pairs + [(False, False)] * neither)["ci95"]
+    assert ci95 == pytest.approx(interval, abs=5e-5)
 
 
 MARGINS = {"min_gain": 0.05, "contradiction_margin": 0.05, "false_memory_margin": 0.1,
@@ -3218,6 +3350,9 @@ MARGINS = {"min_gain": 0.05, "contradiction_margin": 0.05, "false_memory_margin"
 
 
 def paired_rows(outcomes: Sequence[tuple[bool, bool]], **memory: Any) -> list[Any]:
+    """Tasks run with memory (its fields in `memory`) and without: the without-memory run
+    records a contradiction and latency exactly when the memory run does, as the parser asks."""
+    both = {"contradiction": False, "latency_ms": 1000}
     rows = []
     for index, (with_memory, without) in enumerate(outcomes):
         task = f"t{index}"
@@ -3235,8 +3370,7 @@ def paired_rows(outcomes: Sequence[tuple[bool, bool]], **memory: Any) -> list[An
                     "memory": False,
                     "order": 2 - index % 2,
                     "success": without,
-                    "contradiction": False,
-                    "latency_ms": 1000,
+                    **{k: v for k, v in both.items() if k in memory},
                 },
             )
         )
@@ -3246,16 +3380,21 @@ def paired_rows(outcomes: Sequence[tuple[bool, bool]], **memory: Any) -> list[An
 def test_the_paired_verdict_keeps_removes_or_keeps_disabled() -> None:
     recorded = {"contradiction": False, "false_memory": False, "memory_tokens": 300,
                 "latency_ms": 1500}  # fmt: skip
-    strong = tactmem._paired_report(paired_rows([(True, False)] * 40, **recorded), MARGINS)
+    strong = tactmem._paired_report(paired_rows([(True, False)] * 100, **recorded), MARGINS)
     assert strong["verdict"] == "keep" and set(strong["checks"].values()) == {"pass"}
-    assert strong["memory_first"] == 20 and strong["latency_increase_ms_mean"] == 500
-    flat = tactmem._paired_report(paired_rows([(True, True)] * 40, **recorded), MARGINS)
+    assert strong["memory_first"] == 50 and strong["latency_increase_ms_mean"] == 500
+    few = tactmem._paired_report(paired_rows([(True, False)] * 40, **recorded), MARGINS)
+    assert few["checks"]["contradiction"] == "inconclusive"  # 40 tasks cannot show 0.05
+    assert few["verdict"] == "keep_disabled"
+    flat = tactmem._paired_report(paired_rows([(True, True)] * 200, **recorded), MARGINS)
     assert flat["checks"]["success_gain"] == "fail" and flat["verdict"] == "remove"
+    harmful = tactmem._paired_report(paired_rows([(False, True)] * 20, **recorded), MARGINS)
+    assert harmful["success"]["ci95"][1] < 0 and harmful["verdict"] == "remove"
     costly = tactmem._paired_report(
-        paired_rows([(True, False)] * 40, **{**recorded, "memory_tokens": 5000}), MARGINS
+        paired_rows([(True, False)] * 100, **{**recorded, "memory_tokens": 5000}), MARGINS
     )
     assert costly["checks"]["memory_tokens"] == "fail" and costly["verdict"] == "remove"
-    unrecorded = tactmem._paired_report(paired_rows([(True, False)] * 40), MARGINS)
+    unrecorded = tactmem._paired_report(paired_rows([(True, False)] * 100), MARGINS)
     assert unrecorded["checks"]["false_memory"] == "not_recorded"
     assert unrecorded["verdict"] == "keep_disabled"
 
@@ -3282,6 +3421,10 @@ def test_eval_paired_judges_the_shipped_example(capsys: pytest.CaptureFixture[st
           {"task": "a", "memory": False, "order": 1, "success": True}], "orders 1 and 2"),
         ([{"task": "a", "memory": "yes", "order": 1, "success": True}], "'memory' must be"),
         ([{"task": "a", "memory": True, "order": 1}], "missing the field 'success'"),
+        ([{"task": "a", "memory": False, "order": 1, "success": True, "false_memory": True}],
+         "runs with memory only"),
+        ([{"task": "a", "memory": True, "order": 1, "success": True, "latency_ms": 5},
+          {"task": "a", "memory": False, "order": 2, "success": True}], "or on neither"),
     ],
 )  # fmt: skip
 def test_malformed_paired_runs_are_refused(

@@ -676,7 +676,8 @@ def run(
 
         def covered() -> list[float]:
             terms = tactmem._query_terms(query)
-            return [corpus.coverage(terms, doc_id) for doc_id, _ in corpus.rank(terms, TOP)]
+            ranked = corpus.rank(terms, TOP)
+            return list(map(corpus.coverage(terms), (doc_id for doc_id, _ in ranked)))
 
         timed(samples, "tactmem ranking + each card's coverage (cached)", covered)
 
