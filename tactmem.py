@@ -12,9 +12,11 @@ Requires Python >= 3.11, attrs >= 23.1 and cattrs >= 23.2. Vendoring: copy this 
 Command line (``tactmem COMMAND --help`` for each)::
 
     tactmem [--config PATH | --db PATH] [--json] COMMAND
-      scan QUERY [--limit N] | read ID [ID ...] | put CONTENT|- [--replace ID@VERSION]
-      delete ID@VERSION | list [--sort useful|newest|oldest|least] | stats | browse
-      tool [--child] | mcp [--child] | demo
+      scan QUERY [--limit N] [--min-coverage X] | read ID [ID ...]
+      put CONTENT|- [--replace ID@VERSION] | delete ID@VERSION
+      list [--sort useful|newest|oldest|least] | stats | browse | demo
+      tool [--child] [--min-coverage X] | mcp [--child] [--min-coverage X]
+      eval [FILE ...] [--min-coverage X] [--sweep] [--thresholds FILE] [--paired RESULTS]
 """
 
 # tactmem is released under the MIT licence; keep this notice in vendored copies.
@@ -984,7 +986,9 @@ class Backend(Protocol):
 
 # ------------------------------------------------------------------------ the memory tool
 
-_FIELD_NAME: Final = re.compile("[A-Za-z_][A-Za-z0-9_]{0,31}")
+# Lowercase words joined by `_` (a part may be a number of up to three digits), at most 32
+# characters: `is_root`, `recall_at_5`. Nothing random-looking, which could be a credential.
+_FIELD_NAME: Final = re.compile("(?=.{1,32}$)[a-z]+(?:_(?:[a-z]+|[0-9]{1,3}))*")
 _Operation = Literal["scan", "read", "put", "delete"]
 
 
@@ -1001,9 +1005,9 @@ class _Request:
 
 
 def _field_label(name: object) -> str:
-    """Name a field in an error only when it looks like a field name (and not a credential),
-    never echo arbitrary text."""
-    if isinstance(name, str) and _FIELD_NAME.fullmatch(name) and find_secret(name) is None:
+    """Name a field in an error only when it looks like a field name, never echo arbitrary
+    text (a random-looking name could be a credential)."""
+    if isinstance(name, str) and _FIELD_NAME.fullmatch(name):
         return repr(name)
     return "(a name that is not shown)"
 
@@ -1799,17 +1803,17 @@ class _BadScenario(TactmemError):
 
 _AGENTS: Final = ("root", "child")
 _LIMIT_FIELDS: Final = tuple(field.name for field in attrs.fields(Limits))
+# The outcomes a step can have (the runner builds only valid requests and passes the gate).
 _PUT_OUTCOMES: Final = (
     "stored", "duplicate", "secret_rejected", "content_too_large", "empty_content",
-    "record_capacity", "content_capacity", "database_capacity", "not_root", "scan_required",
-    "invalid_request",
+    "content_capacity", "database_capacity", "not_root",
 )  # fmt: skip
-_DELETE_OUTCOMES: Final = ("deleted", "conflict", "not_found", "not_root", "invalid_request")
+_DELETE_OUTCOMES: Final = ("deleted", "conflict", "not_found", "not_root")
 # Each step's required fields, its optional ones (any step may add `note`), and the outcomes
 # it may expect, the first unless it says otherwise.
 _STEPS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]]] = {
     "limits": ((), _LIMIT_FIELDS, ()),
-    "put": (("content",), ("as", "agent", "expect"), _PUT_OUTCOMES),
+    "put": (("content",), ("as", "agent", "expect"), (*_PUT_OUTCOMES, "record_capacity")),
     "replace": (("target", "version", "content"), ("as", "agent", "expect"),
                 (*_PUT_OUTCOMES, "conflict", "not_found")),
     "delete": (("target", "version"), ("agent", "expect"), _DELETE_OUTCOMES),
@@ -1926,6 +1930,11 @@ def _parse_scenario(text: str, source: str) -> tuple[Limits, list[_EvalStep]]:
             raise _BadScenario(f"{where}: a limits step must be the first step")
         if kind == "advance" and len(step.keys() & {"ms", "days"}) != 1:
             raise _BadScenario(f"{where}: an advance step takes ms or days")
+        query = step.get("query")
+        if kind == "scan" and (
+            not query or _WS_RUN.fullmatch(query) or len(query.encode()) > limits.query_bytes
+        ):
+            raise _BadScenario(f"{where}: a scan step needs a query of 1 to query_bytes bytes")
         references = [step["target"]] if "target" in step else []
         if not labels.issuperset(references + step.get("relevant", []) + step.get("ids", [])):
             raise _BadScenario(f"{where}: {kind} step names a label no earlier step gave")
@@ -2301,8 +2310,10 @@ def _parse_thresholds(text: str, source: str) -> dict[str, Any]:
 
     try:
         table = tomllib.loads(text)
-    except (tomllib.TOMLDecodeError, RecursionError):
-        raise _BadScenario(f"{source}: not valid TOML") from None
+    except tomllib.TOMLDecodeError as error:  # its message says where, never what
+        raise _BadScenario(f"{source}: not valid TOML ({error})") from None
+    except RecursionError:
+        raise _BadScenario(f"{source}: not valid TOML (nested too deeply)") from None
     known = {name for section in _THRESHOLD_SECTIONS for name in _eval_report([], 0.0, {})[section]}
     allowed = {"min": known, "max": known, "paired": set(_PAIRED_MARGINS)}
     for name, value in table.items():
@@ -2352,7 +2363,8 @@ def _eval_lines(report: Mapping[str, Any]) -> Iterator[str]:
         verdict = "PASS" if row["passed"] else "MISS"
         yield f"{verdict} {row['metric']} {sign} {_figure(row['target'])} ({_figure(row['value'])})"
     for miss in report["expectations"]["misses"]:
-        yield f"MISS {miss['where']}: expected {miss['expected']}, got {miss['got']}"
+        where = _displayable(miss["where"])
+        yield f"MISS {where}: expected {miss['expected']}, got {miss['got']}"
     yield "passed" if report["passed"] else "FAILED"
 
 
@@ -3155,20 +3167,24 @@ class _Scenario:
         whose put was refused, or whose record was deleted or pruned, answers nothing."""
         query = step.fields["query"]
         answer = self.call(agent, {"operation": "scan", "query": query})
-        if "error" in answer:
-            self.expect(step, "a scan", answer["error"]["code"])
+        if "error" in answer:  # a missed expectation, and no scan to score
+            return self.expect(step, "a scan", answer["error"]["code"])
         labelled = (self.labels.get(label) for label in step.fields["relevant"])
-        relevant = frozenset(key.id for key in labelled if key and key.id in self.live)
+        relevant = frozenset(key.id for key in labelled if key and self.stored(key.id))
         returned = tuple(card["key"]["id"] for card in answer.get("candidates", ()))
         category = step.fields.get("category", "uncategorized")
         self.scans.append(_ScanOutcome(self.source, category, relevant, returned))
         limits = self.store.limits
         for point in self.sweep:  # what a scan at each point would return, without telemetry
-            if "error" not in answer:
-                terms = _scan_terms(query, limits)
-                plan = _plan_scan(self.store._corpus, terms, limits.scan_results, limits, point)
-                returned = plan.scanned
-            self.swept[point].append(_ScanOutcome(self.source, category, relevant, returned))
+            terms = _scan_terms(query, limits)
+            plan = _plan_scan(self.store._corpus, terms, limits.scan_results, limits, point)
+            self.swept[point].append(_ScanOutcome(self.source, category, relevant, plan.scanned))
+
+    def stored(self, doc_id: int) -> bool:
+        """Whether the rules keep the record now: written, not deleted, and read or within
+        its probation (a deadline can pass between `advance` steps, 1 ms a call)."""
+        until = self.live.get(doc_id, 0)
+        return doc_id in self.live and (until is None or until > self.now)
 
     def _read(self, step: _EvalStep, agent: str) -> None:
         ids = [self.labels[label].id for label in step.fields["ids"] if label in self.labels]
@@ -3200,11 +3216,18 @@ def _read_eval_file(path: str) -> str:
     import stat
 
     try:  # non-blocking, so that a FIFO with no writer is refused instead of waited on
-        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as file:
-            regular = stat.S_ISREG(os.fstat(file.fileno()).st_mode)
-            data = file.read(_EVAL_FILE_BYTES + 1) if regular else b""
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            regular, data = stat.S_ISREG(os.fstat(descriptor).st_mode), b""
+            if regular:
+                with open(descriptor, "rb", closefd=False) as file:
+                    data = file.read(_EVAL_FILE_BYTES + 1)
+        finally:
+            os.close(descriptor)
     except OSError as error:
         raise _BadScenario(f"{path}: cannot be read ({error.strerror})") from None
+    except ValueError:  # a NUL or a lone surrogate in the name
+        raise _BadScenario("a file name that no file can have") from None
     if not regular:
         raise _BadScenario(f"{path}: not a regular file")
     if len(data) > _EVAL_FILE_BYTES:
@@ -3217,12 +3240,15 @@ def _read_eval_file(path: str) -> str:
 
 def _shipped_scenarios() -> list[str]:
     """The shipped scenario files, relative to the working directory."""
-    return sorted(
-        os.path.relpath(os.path.join(base, name))
-        for base in filter(None, map(_shipped_eval, ("dev", "heldout", "contract")))
-        for name in os.listdir(base)
-        if name.endswith(".jsonl")
-    )
+    try:
+        return sorted(
+            os.path.relpath(os.path.join(base, name))
+            for base in filter(None, map(_shipped_eval, ("dev", "heldout", "contract")))
+            for name in os.listdir(base)
+            if name.endswith(".jsonl")
+        )
+    except OSError as error:
+        raise _BadScenario(f"the shipped scenarios cannot be listed ({error.strerror})") from None
 
 
 def _shipped_eval(name: str) -> str | None:
@@ -3257,10 +3283,16 @@ def _run_scenarios(
 
 def _eval_command(arguments: argparse.Namespace) -> int:
     """`tactmem eval`: score scenarios (or judge paired runs) against a thresholds file."""
-    if arguments.paired is not None and (arguments.files or arguments.sweep):
-        raise _UsageError("--paired judges recorded runs: it takes no scenario files or --sweep")
-    if arguments.min_coverage is not None and (arguments.sweep or arguments.paired):
-        raise _UsageError("--min-coverage does not apply to --sweep or --paired")
+    for clash, message in (
+        (arguments.paired is not None and (arguments.files or arguments.sweep),
+         "--paired judges recorded runs: it takes no scenario files or --sweep"),
+        (arguments.min_coverage is not None and (arguments.sweep or arguments.paired),
+         "--min-coverage does not apply to --sweep or --paired"),
+        (arguments.sweep and arguments.thresholds,
+         "--sweep draws the curve: it takes no --thresholds"),
+    ):  # fmt: skip
+        if clash:
+            raise _UsageError(message)
     shipped = not arguments.files  # the shipped thresholds are for the shipped scenarios
     path = arguments.thresholds or (_shipped_eval("thresholds.toml") if shipped else None)
     thresholds = {} if path is None else _parse_thresholds(_read_eval_file(path), path)
@@ -3302,8 +3334,8 @@ def _paired_command(arguments: argparse.Namespace, thresholds: Mapping[str, Any]
     """`tactmem eval --paired`: the keep-or-remove verdict; exit 0 only for `keep`."""
     margins = thresholds.get("paired", {})
     if set(_PAIRED_MARGINS) - margins.keys():
-        raise _BadScenario("the thresholds file needs every [paired] margin: "
-                           + ", ".join(_PAIRED_MARGINS))  # fmt: skip
+        where = arguments.thresholds or "--paired needs --thresholds (none shipped here), and it"
+        raise _BadScenario(f"{where}: needs every [paired] margin: " + ", ".join(_PAIRED_MARGINS))
     pairs = _parse_paired(_read_eval_file(arguments.paired), arguments.paired)
     report = _paired_report(pairs, margins)
     print(_json(report) if arguments.json else "\n".join(_paired_lines(report)))
@@ -3530,9 +3562,10 @@ def _build_parser() -> _Parser:
             "--child", action="store_true", help="a child agent: scan and read only"
         )
     for name in ("scan", "tool", "mcp", "eval"):
+        default = "the thresholds file's, else 0" if name == "eval" else "0"
         sub[name].add_argument(
             "--min-coverage", metavar="X", type=_coverage, default=None if name == "eval" else 0.0,
-            help="leave out candidates whose coverage is below X (0 to 1; default 0)",
+            help=f"leave out candidates whose coverage is below X (0 to 1; default {default})",
         )  # fmt: skip
     sub["eval"].add_argument("files", metavar="FILE", nargs="*", help="scenario files (JSON lines)")
     sub["eval"].add_argument("--sweep", action="store_true", help="print the coverage trade-off")
@@ -3634,7 +3667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tactmem: usage: {error} (see tactmem --help)", file=sys.stderr)
         return 2
     except _BadScenario as error:  # exit 1 is kept for a missed threshold
-        print(f"tactmem: {error}", file=sys.stderr)
+        print(f"tactmem: {_displayable(str(error))}", file=sys.stderr)  # it names a file
         return 2
     except TactmemError as error:
         print(f"tactmem: {error}", file=sys.stderr)

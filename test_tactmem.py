@@ -3097,6 +3097,10 @@ def test_a_wrong_expectation_fails_eval_and_names_its_line(
         ('{"step": "delete", "target": "a", "version": 1, "expect": "duplicate"}',
          "an outcome it cannot have"),
         ('{"step": "put", "content": "x", "expect": "conflict"}', "an outcome it cannot have"),
+        ('{"step": "put", "content": "x", "expect": "invalid_request"}', "cannot have"),
+        ('{"step": "put", "content": "x", "qOdd7Fh2LmX9": 1}', "a name that is not shown"),
+        ('{"step": "scan", "query": " \\t", "relevant": []}', "needs a query of 1 to"),
+        ('{"step": "scan", "query": "' + "q" * 513 + '", "relevant": []}', "query_bytes"),
     ],
 )  # fmt: skip
 def test_a_malformed_scenario_is_one_clear_error_naming_its_line(
@@ -3144,10 +3148,12 @@ def test_a_bad_thresholds_file_is_refused(
 
 
 def test_the_sweep_agrees_with_a_run_at_each_point(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`--sweep` plans every point's scan in one run; it must equal running at that point,
     on every shipped scenario."""
+    directory = fast_tmp()  # the runner's stores: tmpfs, where there is one
+    monkeypatch.setattr(tempfile, "tempdir", directory.name)
     files = sorted(map(str, EVAL.glob("*/*.jsonl")))
     scenarios = [
         (file, *tactmem._parse_scenario(Path(file).read_text("utf-8"), file))
@@ -3155,7 +3161,7 @@ def test_the_sweep_agrees_with_a_run_at_each_point(
         if "paired" not in file
     ]
     runs = tactmem._run_scenarios(scenarios, 0.0, tactmem._SWEEP)
-    for point in (0.1, tactmem.RECOMMENDED_MIN_COVERAGE, 0.5):
+    for point in (0.1, tactmem.RECOMMENDED_MIN_COVERAGE):
         alone = tactmem._run_scenarios(scenarios, point)
         assert [run.swept[point] for run in runs] == [run.scans for run in alone], point
     source = str(EVAL / "dev" / "workspaces.jsonl")
@@ -3169,6 +3175,7 @@ def test_the_sweep_agrees_with_a_run_at_each_point(
     status, out, _ = run_cli(capsys, "eval", "--sweep", source)
     assert out.splitlines()[0].split() == ["min_coverage", "recall@5", "MRR", "false", "retrieval"]
     assert len(out.splitlines()) == 27
+    directory.cleanup()
 
 
 def test_min_coverage_is_checked_everywhere(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -3225,8 +3232,12 @@ def test_coverage_survives_the_term_cache_emptying_between_queries() -> None:
 
 
 def test_relevant_means_still_stored(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A relevant label whose put was refused, or whose record was deleted, answers nothing."""
+    """A relevant label whose put was refused, or whose record was deleted or pruned (even
+    between `advance` steps, as the clock ticks), answers nothing."""
     steps: list[dict[str, Any]] = [
+        {"step": "limits", "probation_ms": 5},
+        {"step": "put", "content": "Unread, and pruned five calls later.", "as": "brief"},
+        *[{"step": "scan", "query": "unread pruned", "relevant": ["brief"]}] * 6,
         {"step": "put", "content": "Ask before force-pushing.", "as": "push"},
         {"step": "put", "content": "password=hunter22", "as": "s", "expect": "secret_rejected"},
         {"step": "scan", "query": "hunter22 password", "relevant": ["s"]},
@@ -3234,8 +3245,8 @@ def test_relevant_means_still_stored(tmp_path: Path, capsys: pytest.CaptureFixtu
         {"step": "scan", "query": "force pushing", "relevant": ["push"]},
     ]
     report = json.loads(run_cli(capsys, "--json", "eval", scenario_file(tmp_path, steps))[1])
-    assert (report["metrics"]["answerable"], report["metrics"]["unanswerable"]) == (0, 2)
-    assert report["metrics"]["correct_abstention"] == 1.0 and report["passed"]
+    assert (report["metrics"]["answerable"], report["metrics"]["unanswerable"]) == (4, 4)
+    assert report["metrics"]["recall_at_5"] == 1.0 and report["passed"]
 
 
 @pytest.mark.parametrize(
@@ -3244,6 +3255,7 @@ def test_relevant_means_still_stored(tmp_path: Path, capsys: pytest.CaptureFixtu
         (["--paired", "x.jsonl", "a.jsonl"], "takes no scenario files"),
         (["--paired", "x.jsonl", "--sweep"], "takes no scenario files or --sweep"),
         (["--sweep", "--min-coverage", "0.3"], "--min-coverage does not apply"),
+        (["--sweep", "--thresholds", "t.toml"], "takes no --thresholds"),
     ],
 )
 def test_eval_refuses_flags_that_do_not_go_together(
@@ -3278,7 +3290,14 @@ def test_eval_files_are_read_as_written(tmp_path: Path, capsys: pytest.CaptureFi
     status, _, err = run_cli(capsys, "eval", str(big))
     assert status == 2 and "larger than" in err
     status, _, err = run_cli(capsys, "eval", str(tmp_path))  # a directory
-    assert status == 2 and "cannot be read" in err
+    assert status == 2 and "not a regular file" in err
+    for name in ("\ud800.jsonl", "a\x00b.jsonl"):  # no shell passes these; `main` may get them
+        status, _, err = run_cli(capsys, "eval", name)
+        assert status == 2 and "a file name that no file can have" in err
+    escape = tmp_path / "esc\x1b[31mred.jsonl"
+    escape.write_text(json.dumps({"step": "put", "content": "x", "expect": "duplicate"}), "utf-8")
+    status, out, _ = run_cli(capsys, "eval", str(escape))
+    assert status == 1 and "\x1b" not in out and "MISS" in out
 
 
 def test_eval_refuses_what_is_not_a_plain_file_and_names_a_store_refusal(
