@@ -577,11 +577,15 @@ class _Corpus:
             self._weights = {}
         scores = [0.0] * len(self._ids)
         for term in terms:
-            positions, weights, _ = self._weights.get(term) or self._term_weights(term)
+            positions, weights, _ = self._term(term)
             for position, weight in zip(positions, weights, strict=True):
                 scores[position] += weight
         best = heapq.nlargest(limit, range(len(scores)), key=scores.__getitem__)  # stable
         return [(self._ids[position], scores[position]) for position in best if scores[position]]
+
+    def _term(self, term: str) -> tuple[list[int], list[float], float]:
+        """A term's positions, BM25 weights and idf: cached, or worked out now."""
+        return self._weights.get(term) or self._term_weights(term)
 
     def _term_weights(self, term: str) -> tuple[list[int], list[float], float]:
         if len(self.postings) >= _CACHED_TERMS:  # terms no document has add up
@@ -610,10 +614,7 @@ class _Corpus:
         every one is) weighs the square root of its BM25 idf, and the share of that weight
         whose terms the document holds, as they are or by `_stem`, is its coverage."""
         subject = [term for term in terms if term not in _FUNCTION_WORDS] or terms
-        weights = [
-            (term, _stem(term), math.sqrt((self._weights.get(term) or self._term_weights(term))[2]))
-            for term in subject
-        ]
+        weights = [(term, _stem(term), math.sqrt(self._term(term)[2])) for term in subject]
         total = sum(weight for _, _, weight in weights)
 
         def of(doc_id: int) -> float:
@@ -967,9 +968,9 @@ class Backend(Protocol):
     before any I/O (`_scan_terms`, `_check_min_coverage`, `_check_put`, `_read_ids`); then
     prune what `_expired` names (never in `delete`), read what the plan needs, ask
     `_plan_scan`, `_plan_read`, `_plan_put` or `_check_version` (the delete plan), and write
-    exactly the plan. Rows that `_hidden` (read
-    and list: `_shown`) rejects count against every bound but never reach an agent. Every
-    failure is a `TactmemError` and changes nothing."""
+    exactly the plan. Rows that `_hidden` (read and list: `_shown`) rejects count against
+    every bound but never reach an agent. Every failure is a `TactmemError` and changes
+    nothing."""
 
     @property
     def limits(self) -> Limits: ...
@@ -1827,7 +1828,13 @@ _CENTURY_DAYS: Final = 36_525  # the longest advance: a file's clock cannot pass
 
 def _is_text(value: object) -> bool:
     """A string that is UTF-8 text (JSON can spell a lone surrogate; no store takes one)."""
-    return isinstance(value, str) and not any("\ud800" <= char <= "\udfff" for char in value)
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_label(value: object) -> bool:
@@ -3174,9 +3181,8 @@ class _Scenario:
         returned = tuple(card["key"]["id"] for card in answer.get("candidates", ()))
         category = step.fields.get("category", "uncategorized")
         self.scans.append(_ScanOutcome(self.source, category, relevant, returned))
-        limits = self.store.limits
+        limits, terms = self.store.limits, _query_terms(query)  # the query is checked already
         for point in self.sweep:  # what a scan at each point would return, without telemetry
-            terms = _scan_terms(query, limits)
             plan = _plan_scan(self.store._corpus, terms, limits.scan_results, limits, point)
             self.swept[point].append(_ScanOutcome(self.source, category, relevant, plan.scanned))
 
