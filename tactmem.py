@@ -33,6 +33,7 @@ import math
 import os
 import re
 import sqlite3
+import string
 import sys
 import threading
 import time
@@ -120,60 +121,302 @@ _CREDENTIAL_NAMES: Final = (
     "apikey",
 )  # fmt: skip
 _ASSIGNED_VALUE: Final = re.compile(f"[{_WS}]*[:=][{_WS}]*[^{_WS}]")
-# Provider shapes the reference misses (case-sensitive unless marked). Where a shape could be an
-# ordinary hyphenated name, group 1 is the token's body and must look random (a digit, or both
-# cases), so `xapp-frontend-service` is a name and `xapp-1-A0B1C2D3` a token.
-_PROVIDER_SHAPES: Final = (
-    # A PEM private-key header inside a line, followed by key material (the reference's rule
-    # wants the header alone on its line).
-    (
-        "private_key_block",
-        ("PRIVATE KEY-----",),
-        False,
-        re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[ \t\r\n]*([A-Za-z0-9+/=]{16})"),
-    ),
-    ("google_api_key", ("AIza",), False, re.compile(r"(?<![A-Za-z0-9_])AIza([A-Za-z0-9_-]{35})")),
-    ("gitlab_token", ("glpat-",), False, re.compile(r"(?<![A-Za-z0-9_])glpat-([A-Za-z0-9_-]{20})")),
-    ("npm_token", ("npm_",), False, re.compile(r"(?<![A-Za-z0-9_])npm_[A-Za-z0-9]{36}")),
-    (
-        "pypi_token",
-        ("pypi-AgE",),
-        False,
-        re.compile(r"(?<![A-Za-z0-9_])pypi-AgE([A-Za-z0-9_-]{16})"),
-    ),
-    ("huggingface_token", ("hf_",), False, re.compile(r"(?<![A-Za-z0-9_])hf_([A-Za-z0-9]{30})")),
-    ("slack_app_token", ("xapp-",), False, re.compile(r"(?<![A-Za-z0-9_])xapp-([A-Za-z0-9-]{12})")),
-    (
-        "slack_webhook",
-        ("hooks.slack.com",),
-        False,
-        re.compile(r"hooks\.slack\.com/services/T[A-Za-z0-9_]+/B[A-Za-z0-9_]+/\w"),
-    ),
-    (
-        "stripe_key",
-        ("k_live_", "k_test_"),
-        False,
-        re.compile(r"(?<![A-Za-z0-9_])(?:rk_live_|rk_test_|pk_live_)[A-Za-z0-9]{12}"),
-    ),
-    # `aws_secret_access_key = <40 chars>` and `"SecretAccessKey": "<40 chars>"` (ai name).
-    (
-        "aws_secret_key",
-        ("access",),
-        True,
-        re.compile(
-            f"secret_?access_?key[\"']?[{_WS}]*[:=][{_WS}]*[\"']?[a-z0-9/+]{{40}}",
-            _AI,
-        ),
-    ),
-    # Azure storage connection strings: `AccountKey=<base64>` (ai name).
-    ("azure_account_key", ("accountkey=",), True, re.compile(r"accountkey=[a-z0-9+/]{20}", _AI)),
-    (
-        "sendgrid_key",
-        ("SG.",),
-        False,
-        re.compile(r"(?<![A-Za-z0-9_])SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}"),
-    ),
-)
+# Provider shapes and credential spellings beyond the reference's seven rules, one row each:
+# (rule, literals one of which every match contains, whether to look for them in the lowercased
+# text, the pattern, and what its last group must be (`_SHAPE_CHECKS`): "random" — a digit, or
+# both cases, so `xapp-frontend-service` is a name and `xapp-1-A0B1C2D3` a token; "value" — not
+# a placeholder such as `$PASSWORD`, `<your-token>`, `xxxx`, `sk_live_...` or `redacted`;
+# "word" — both, in one word; "flag" — a word that is not a path; "chosen" and "strong" — a
+# value a person chose (`_chosen_value`, `_strong_value`); "env", "env_tail", "env_pair" and
+# "env_random" — a credential name and its value (`_env_name`); None — the match is enough).
+# A pattern is compiled the first time one of its literals is seen; every run it repeats is
+# bounded, so no text costs more than a few milliseconds. `_NOT_GLUED`: not glued to a preceding
+# word or token character. "(ai)" patterns ignore ASCII case: they are written in lower case.
+_NOT_GLUED: Final = "(?<![A-Za-z0-9_])"
+_CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str | None], ...]] = (
+    # -- key blocks: a PEM or PGP private-key header inside a line (or before armor lines such
+    #    as `Proc-Type: 4,ENCRYPTED`) followed by key material; a PGP one alone on its line;
+    #    a PuTTY key file with its private lines
+    ("private_key_block", ("PRIVATE KEY",), False,
+     r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----(?:[ \t\r\n]|\\n)*"
+     r"(?:[A-Za-z-]{1,40}: [^\n]{0,200}\n[ \t\r\n]*){0,8}([A-Za-z0-9+/=]{16})", 0, "random"),
+    ("private_key_block", ("LS0tLS1CRUdJTi",), False,
+     r"LS0tLS1CRUdJTi[A-Za-z0-9+/]{0,60}?(?:UFJJVkFURSBLRVk|SVZBVEUgS0VZ|UklWQVRFIEtFWS)", 0, None),
+    ("pgp_private_key", ("PGP PRIVATE KEY BLOCK",), False,
+     r"^[ \t]*-----BEGIN PGP PRIVATE KEY BLOCK-----[ \t]*$", re.MULTILINE, None),
+    ("age_secret_key", ("AGE-SECRET-KEY-1",), False, r"AGE-SECRET-KEY-1[0-9A-Z]{58}", 0, None),
+    ("putty_private_key", ("PuTTY-User-Key-File-",), False,
+     r"PuTTY-User-Key-File-\d+:[\s\S]{0,2000}?Private-Lines:[ \t]*\d+[ \t]*(?:\r?\n|\\n)"
+     r"[ \t]*([A-Za-z0-9+/=]{16})", 0, "random"),
+    # -- structured credentials: a quoted password-like key or a quoted value (JSON, YAML,
+    #    TOML, INI); token-like keys need a random-looking value (`"token_type": "Bearer"` is no
+    #    secret)
+    ("quoted_password", ("pass", "pwd"), True,
+     r"(?:password|passwd|passphrase|pwd|(?<![a-z])pass)[\"']?[ \t]*(?:=>|:=|[:=])[ \t]*"
+     r"(?:\"([^\"\n]{4,})\"|'([^'\n]{4,})')", _AI, "value"),
+    ("quoted_password", ("auth",), True,
+     r"\bauth[ \t]*=[ \t]*\(\s*[\"'][^\"'\n]+[\"']\s*,\s*[\"']([^\"'\n]{6,})[\"']", _AI, "value"),
+    ("quoted_password", ("password",), True,
+     r"(?:store|key)password[ \t]+[\"']([^\"'\n]{4,})[\"']", _AI, "value"),
+    ("quoted_credential", ('"auth"',), True,
+     r"\"auth\"[ \t]*:[ \t]*\"([a-z0-9+/]{12,}={0,2})\"", _AI, "random"),
+    ("quoted_credential", ("secret", "token", "key", "credential"), True,
+     r"(?:secret|token|api[_-]?key|private[_-]?key|access[_-]?key|"
+     r"credentials?)[\"']?[ \t]*[:=][ \t]*(?:\"([^\"\n]{8,})\"|'([^'\n]{8,})')", _AI, "word"),
+    # an environment-style name holding a credential word and ending in one (`SECRET_KEY=`,
+    # `DJANGO_SECRET_KEY: `), not a setting about one (`API_KEY_HEADER`, `TOKEN_FILE`); the
+    # same name in a Kubernetes `- name: X` / `value: Y` pair; an XML element
+    ("env_credential", ("key", "pass", "pwd", "secret", "token", "_pat"), True,
+     r"(key|secret|token|password|passwd|pass|pwd|_pat|key_base)[ \t]*(?:[?:+]?=|:)[ \t]*[\"']?"
+     r"([^\s\"']{4,})", _AI, "env_tail"),
+    ("quoted_credential", ("key", "pass", "pwd", "secret", "token"), True,
+     r"[\"']([a-z0-9_.-]{0,60}(?:key|secret|token|password|passwd|pass|pwd))[\"'][ \t]*"
+     r"(?:,|\]?[ \t]*(?:\|\|=|\?\?=|=))[ \t]*[\"']([^\"'\n]{4,})[\"']", _AI, "env_random"),
+    ("shell_credential", ("-gx",), True,
+     r"\bset[ \t]+-gx[ \t]+([a-z0-9_]{3,64})[ \t]+[\"']?([^\s\"']{4,})", _AI,
+     "env"),
+    ("env_credential", ("base64:",), True, r"key[\"']?[ \t]*[:=][ \t]*[\"']?base64:"
+     r"([a-z0-9+/]{32,}={0,2})", _AI, "random"),
+    ("env_credential", ("value:",), True,
+     r"name:[ \t]*[\"']?([a-z0-9_]{3,64})[\"']?[ \t]*\r?\n[ \t]*(?:-[ \t]*)?value:[ \t]*[\"']?"
+     r"([^\s\"']{4,})", _AI, "env"),
+    ("xml_credential", ("password>", "passwd>", "pwd>", "secret>", "key>", "token>"), True,
+     r"<([a-z0-9_.:-]{0,60}(?:password|passwd|pwd|secret|api[_-]?key|apikey|token))>"
+     r"[ \t]*([^<>\s\"]{4,200})[ \t]*</", _AI, "env"),
+    ("xml_credential", ("key=", "name="), True,
+     r"(?:key|name)=[\"']([a-z0-9_.:-]{0,60}(?:password|passwd|pwd|secret|apikey|api_key|token))[\"']"
+     r"[ \t]*(?:value=[\"']([^\"'\n]{4,200})[\"']|>[ \t]*([^<>\s\"]{4,200})[ \t]*</)", _AI,
+     "env_pair"),
+    ("netrc_password", ("password",), True,
+     r"\b(?:machine\s+\S{1,200}|default)(?:\s+(?:login|account|port)\s+\S{1,200}){0,4}\s+password\s+(\S+)",
+     _AI, "value"),
+    # a service-account key file: its type and a private key (id) field, in either order
+    ("gcp_service_account", ("service_account",), False,
+     r"\"type\"\s*:\s*\"service_account\"", 0, "gcp_key"),
+    ("connection_password", ("pwd",), True, _NOT_GLUED + r"pwd[ \t]*=[ \t]*([^;'\"\s]{3,})", _AI,
+     "value"),
+    ("connection_password", ("jdbc:oracle",), True,
+     r"jdbc:oracle:[a-z]{1,16}:[a-z0-9_$#]{1,64}/([^@\s]{1,200})@", _AI, "value"),
+    ("password_url", ("://:",), False, r"://:([^@/\s]{3,})@", 0, "value"),
+    # -- a password or key told in prose: `the password is Autumn2022$`, `the account key for
+    #    X is <base64>`, `login is admin / Autumn2022$`; the value must look chosen, not a word
+    ("prose_credential", ("pass", "kennwort", "contrase", "senha", "wachtwoord"), True,
+     r"\b(?:pass(?:word|phrase|code|wort)?|kennwort|contrase(?:\u00f1|n)a|mot de passe|"
+     r"senha|wachtwoord)\b"
+     r"(?:[^\n.;!?]{0,40}?(?:[ \t](?:is|are|was|now|to|es|ist|lautet|est|\u00e9|\u00e8)|:|=))?"
+     r"[ \t]+(?:[^\s/]{1,40}(?:[ \t]*/|[ \t]+and)[ \t]*)?[\"'`]?([^\s\"'`]{8,})", _AI, "chosen"),
+    # other scripts and Swedish: パスワード, пароль, 비밀번호, 密码, lösenord
+    ("prose_credential", ("\u30d1\u30b9\u30ef\u30fc\u30c9", "\u043f\u0430\u0440\u043e\u043b\u044c",
+                          "\u041f\u0430\u0440\u043e\u043b\u044c", "\ube44\ubc00\ubc88\ud638",
+                          "\u5bc6\u7801", "\u5bc6\u78bc", "l\u00f6senord", "L\u00f6senord"), False,
+     r"(?:\u30d1\u30b9\u30ef\u30fc\u30c9|[\u041f\u043f]\u0430\u0440\u043e\u043b\u044c|"
+     r"\ube44\ubc00\ubc88\ud638|\u5bc6[\u7801\u78bc]|[Ll]\u00f6senord(?:et)?)[^\n.;!?\u3002]{0,30}?"
+     r"(?:\u306f|\ub294|\u662f|\u4e3a|:|\uff1a|[ \t]\u00e4r)[ \t]*[\"'`]?([^\s\"'`]{8,})", 0,
+     "chosen"),
+    ("prose_credential", ("secret", "key", "token", "pass", "login", "credential"), True,
+     r"\b(?:secret|(?:api|access|account|app|auth|client|license|secret|private|signing)[ _-]?"
+     r"(?:key|secret|token|password)|token|login|credentials?)"
+     r"\b(?:[^\n.;!?]{0,40}?(?:[ \t]is|[ \t]are|[ \t]was|:|=))?[ \t]+"
+     r"(?:[^\s/]{1,40}[ \t]*/[ \t]*)?"
+     r"[\"'`]?([^\s\"'`]{8,})", _AI, "strong"),
+    # -- command lines
+    ("cli_password", ("--pass",), True, r"--pass(?:word|wd)?[ \t]+([^\s]{3,})", _AI, "value"),
+    ("cli_password", ("-pass", "storepass", "keypass", "srcpass", "destpass", "newpass"), True,
+     r"[ \t]-(?:src|dest|new)?(?:store|key)?pass[ \t]+([^\s]{3,})", _AI, "value"),
+    ("cli_password", ("login", "auth"), True,
+     r"\b(?:wandb|snyk|vercel|heroku|flyctl|fly|huggingface-cli)[ \t]+(?:auth|login)[ \t]+"
+     r"(?:--[a-z-]{1,30}[ \t]+){0,8}([a-z0-9_-]{20,})", _AI, "random"),
+    ("cli_password", ("sqlplus",), True,
+     r"\bsqlplus\b[ \t]+(?:-[a-z]{1,30}[ \t]+){0,8}[^\s/'\"]{1,64}/([^\s@'\"]{3,200})@", _AI,
+     "value"),
+    ("cli_password", (" -a", "\t-a", "--auth"), True,
+     r"\bhttps?[ \t]+(?:-[-a-z]{1,30}[ \t]+){0,8}(?:-a|--auth)(?:[ \t]+|=)['\"]?"
+     r"[^\s:'\"]{1,64}:([^\s'\"]{3,})", _AI, "value"),
+    ("cli_password", ("--",), False,
+     r"--(?:api[-_]?key|apikey|auth(?:[-_]?token|key)|access[-_]?token|token|client[-_]secret|"
+     r"secret(?:[-_]key)?|key)(?:[ \t]+|=)[\"']?([^\s\"']{8,})", _AI, "flag"),
+    ("cli_password", ("login",), True,
+     r"\b(?:docker|podman|nerdctl|buildah|skopeo|helm registry|az)[ \t]+login\b[^\n]{0,200}?"
+     r"[ \t]-p[ \t]*([^\s]{3,})", _AI, "value"),
+    ("cli_password", ("password-stdin",), True,
+     r"\b(?:echo|printf)[ \t]+(?:-[a-z]+[ \t]+)?([\"'][^\"'\n]{3,}[\"']|[^\s|\"']{3,})[ \t]*\|"
+     r"[^\n]{0,120}?\blogin\b[^\n]{0,120}?--password-stdin", _AI, "value"),
+    ("cli_password", ("mysql",), False,
+     r"\bmysql(?:dump|admin|import)?\b[^\n]{0,200}?[ \t]-p([^\s-][^\s]{2,})", 0, "value"),
+    ("cli_password", ("sshpass",), False, r"\bsshpass[ \t]+-p[ \t]*([^\s]{3,})", 0, "value"),
+    ("cli_password", ("sqlcmd",), False,
+     r"\bsqlcmd\b[^\n]{0,200}?[ \t]-P[ \t]*(\"[^\"]+\"|'[^']+'|\S+)", 0, "value"),
+    ("cli_password", ("smbclient",), False,
+     r"\bsmbclient\b[^\n]{0,200}?(?:-U|--user)[ \t=]*[^\s%]{1,64}%(\S{3,})", 0, "value"),
+    ("cli_password", ("pass:",), False, r"-pass(?:in|out)?[ \t]+pass:(\S{3,})", 0, "value"),
+    ("cli_password", ("ldap",), False,
+     r"\bldap\w*\b[^\n]{0,200}?[ \t]-w[ \t]*(\"[^\"]+\"|'[^']+'|\S+)", 0, "value"),
+    ("cli_password", ("redis-cli",), False,
+     r"\bredis-cli\b[^\n]{0,200}?[ \t](?:-a|--pass)[ \t]+(\S{3,})", 0, "value"),
+    ("cli_password", ("htpasswd",), False,
+     r"\bhtpasswd\b(?=[^\n]{0,200}[ \t]-[A-Za-z]*b)[^\n]{0,200}[ \t]([^\s]{3,})[ \t]*$",
+     re.MULTILINE, "value"),
+    ("cli_password", ("curl", "wget"), True,
+     r"\b(?:curl|wget)\b[^\n]{0,200}?(?:[ \t]-u(?:[ \t]+|=)?|(?:--user|--http-user)(?:[ \t]+|=))"
+     r"['\"]?"
+     r"[^\s:'\"]{1,64}:([^\s'\"]{3,})", _AI, "value"),
+    # -- HTTP credential headers anywhere in a line (the reference's rule wants the start)
+    ("credential_header", ("authorization", "-key", "-token", "art-api"), True,
+     r"(?<![a-z0-9-])(?:proxy-authorization|authorization|x-api-key|api-key|x-auth-token|"
+     r"x-auth-key|x-access-token|x-api-token|private-token|ocp-apim-subscription-key|"
+     r"x-jfrog-art-api|fastly-key)"
+     r"[\"']?[ \t]{0,16}(?::[ \t]*|(?<=[ \t])(?=[\"'])|"
+     r"(?<=[ \t])(?=(?:[a-z][a-z0-9-]{1,15}[ \t]+)?[^\s;\"']{8,};))[\"']?"  # nginx: `NAME VALUE;`
+     r"(?:[a-z][a-z0-9-]{1,15}[ \t]+)?([a-z0-9+/=._~-]{8,})", _AI, "word"),
+    ("jwt_in_text", ("eyJ",), False,
+     r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}", 0,
+     None),
+    # -- keys in base64 or with `~` and `.`, which a token run (below) does not hold
+    ("slack_webhook", ("hooks.slack.com",), False,
+     r"hooks\.slack\.com/services/T[A-Za-z0-9_]+/B[A-Za-z0-9_]+/\w", 0, None),
+    # `aws_secret_access_key = <40 chars>` and `"SecretAccessKey": "<40 chars>"` (ai name)
+    ("aws_secret_key", ("accesskey", "access_key"), True,
+     f"secret_?access_?key[\"']?[{_WS}]*(?:[:=][{_WS}]*)?[\"']?[a-z0-9/+]{{40}}", _AI, None),
+    # Azure: storage `AccountKey=`, Service Bus `SharedAccessKey=`, SAS `sig=` (ai names), and
+    # an Entra ID client secret (`abc8Q~` then 31 to 34 characters)
+    ("azure_account_key", ("accountkey=",), True, r"accountkey=[a-z0-9+/]{20}", _AI, None),
+    ("azure_sas", ("sharedaccesskey=",), True, r"sharedaccesskey=([a-z0-9+/=]{40,})", _AI,
+     "random"),
+    ("azure_sas", ("sig=",), True, r"[?&;]sig=([a-z0-9%+/=]{30,})", _AI, "random"),
+    ("azure_client_secret", ("Q~",), False,
+     r"(?<![A-Za-z0-9_~.-])[A-Za-z0-9_~.-]{3}\dQ~([A-Za-z0-9_~.-]{31,34})(?![A-Za-z0-9_~.-])", 0,
+     "random"),
+    # Grafana Cloud and Sentry tokens, whose bodies hold `+`, `/` or `=`
+    ("saas_token", ("glc_", "sntrys_", "sntryu_"), False,
+     _NOT_GLUED + r"(?:glc_[A-Za-z0-9+/]{32,}|sntry[su]_[A-Za-z0-9+/=_-]{40,})", 0, "random"),
+)  # fmt: skip
+# Provider tokens: every match holds 16 or more token characters in a row (`_TOKEN_RUN`), so
+# a text without such a run skips this whole table (case-sensitive unless marked).
+_TOKEN_RUN: Final = re.compile(r"[A-Za-z0-9_-]{16}")
+_TOKEN_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str | None], ...]] = (
+    ("google_api_key", ("AIza",), False, _NOT_GLUED + r"AIza([A-Za-z0-9_-]{35})", 0, "random"),
+    ("google_oauth", ("GOCSPX-",), False, r"GOCSPX-[A-Za-z0-9_-]{28}", 0, None),
+    ("google_oauth", ("ya29.",), False, _NOT_GLUED + r"ya29\.([A-Za-z0-9_-]{30,})", 0, "random"),
+    ("google_oauth", ("1//0",), False, r"(?<![A-Za-z0-9_/])1//0([A-Za-z0-9_-]{40,})", 0,
+     "random"),
+    ("gitlab_token", ("glpat-", "gldt-", "glrt-", "glptt-", "glsoat-", "gloas-", "glcbt-",
+                      "glimt-", "glft-", "glagent-", "glwt-", "glffct-"), False,
+     _NOT_GLUED + r"gl(?:pat|dt|rt|ptt|soat|oas|cbt|imt|ft|agent|wt|ffct)-([A-Za-z0-9_-]{20})", 0,
+     "random"),
+    ("gitlab_token", ("GR1348941",), False,
+     _NOT_GLUED + r"GR1348941([A-Za-z0-9_-]{20})", 0, "random"),
+    ("github_token", ("ghr_",), False, _NOT_GLUED + r"ghr_([A-Za-z0-9]{36})", 0, "random"),
+    ("npm_token", ("npm_",), False, _NOT_GLUED + r"npm_[A-Za-z0-9]{36}", 0, None),
+    ("pypi_token", ("pypi-AgE",), False, _NOT_GLUED + r"pypi-AgE([A-Za-z0-9_-]{16})", 0, "random"),
+    ("huggingface_token", ("hf_",), False, _NOT_GLUED + r"hf_([A-Za-z0-9]{30})", 0, "random"),
+    ("slack_app_token", ("xapp-",), False, _NOT_GLUED + r"xapp-([A-Za-z0-9-]{12})", 0, "random"),
+    ("slack_token", ("xoxe", "xoxc"), False,
+     _NOT_GLUED + r"xox[ec](?:\.xox[bp])?-[0-9]+-([A-Za-z0-9-]{10,})", 0, "random"),
+    ("stripe_key", ("k_live_", "k_test_"), False,
+     _NOT_GLUED + r"(?:rk_live_|rk_test_|pk_live_)[A-Za-z0-9]{12}", 0, None),
+    ("stripe_webhook_secret", ("whsec_",), False,
+     _NOT_GLUED + r"whsec_([A-Za-z0-9]{24,})", 0, "random"),
+    ("aws_temporary_key", ("ASIA",), False, r"(?<![A-Za-z0-9])ASIA([A-Z0-9]{16})(?![A-Za-z0-9])",
+     0, "random"),
+    ("sendgrid_key", ("SG.",), False,
+     _NOT_GLUED + r"SG\.[A-Za-z0-9_-]{22}\.[A-Za-z0-9_-]{43}", 0, None),
+    ("twilio_key", ("SK",), False, _NOT_GLUED + r"SK[0-9a-f]{32}(?![A-Za-z0-9_])", 0, None),
+    # an SDK client built with a key literal: `Client("…")`, `cohere.ClientV2('…')`, Twilio's
+    # `Client('AC…', '…')`
+    ("sdk_client_key", ("Client", "Credential", "Config(", "algoliasearch", "new "), False,
+     r"(?:Client(?:V\d)?|Credentials?|Config|algoliasearch|new [A-Z]\w*)\(\s*(?:[a-z_]+\s*=\s*)?"
+     r"(?:[\"'][^\"'\n]*[\"']\s*,\s*)?(?:[a-z_]+\s*=\s*)?"
+     r"[\"']([A-Za-z0-9_-]{32,})[\"']", 0, "random"),
+    # Discord: a bot token begins with the base64 of a user id's first two digits (`MT`, `Nj`...)
+    # (searched from its first `.`: a text has few `.` followed by six token characters and a `.`)
+    ("discord_token", ("M", "N", "O"), False,
+     r"\.(?:"
+     r"(?<=(?<![A-Za-z0-9_-])[MNO][TjzD][A-Za-z0-9_-]{21}\.)|"
+     r"(?<=(?<![A-Za-z0-9_-])[MNO][TjzD][A-Za-z0-9_-]{22}\.)|"
+     r"(?<=(?<![A-Za-z0-9_-])[MNO][TjzD][A-Za-z0-9_-]{23}\.)|"
+     r"(?<=(?<![A-Za-z0-9_-])[MNO][TjzD][A-Za-z0-9_-]{24}\.)|"
+     r"(?<=(?<![A-Za-z0-9_-])[MNO][TjzD][A-Za-z0-9_-]{25}\.)"
+     r")[A-Za-z0-9_-]{6}\.[A-Za-z0-9_-]{27,38}(?![A-Za-z0-9_-])", 0, None),
+    ("discord_token", ("/api/webhooks/",), False,
+     r"discord(?:app)?\.com/api/webhooks/\d{17,20}/([A-Za-z0-9_-]{60,})", 0, "random"),
+    ("telegram_bot_token", (":AA",), False,
+     r"(?<![0-9])\d{8,10}:AA[A-Za-z0-9_-]{33}(?![A-Za-z0-9_-])", 0, None),
+    ("mailchimp_key", tuple(f"-us{digit}" for digit in range(1, 10)), False,
+     _NOT_GLUED + r"[0-9a-f]{32}-us[1-9]\d?(?![0-9])", 0, None),
+    ("mailgun_key", ("key-",), False, _NOT_GLUED + r"key-[0-9a-f]{32}(?![0-9a-f])", 0, None),
+    ("shopify_token", ("shpat_", "shpss_", "shpca_", "shppa_"), False,
+     _NOT_GLUED + r"shp(?:at|ss|ca|pa)_[0-9a-fA-F]{32}", 0, None),
+    ("digitalocean_token", ("_v1_",), False, _NOT_GLUED + r"do[opr]_v1_[0-9a-f]{64}", 0, None),
+    ("databricks_token", ("dapi",), False, _NOT_GLUED + r"dapi[0-9a-f]{32}", 0, None),
+    ("square_token", ("sq0atp-", "sq0csp-"), False,
+     _NOT_GLUED + r"sq0(?:atp|csp)-([0-9A-Za-z_-]{22,})", 0, "random"),
+    ("square_token", ("EAAA",), False, _NOT_GLUED + r"EAAA([A-Za-z0-9_-]{60,})", 0, "random"),
+    # SaaS API tokens with a documented prefix, one provider per row (the body must look random)
+    # Grafana service account
+    ("saas_token", ("glsa_",), False,
+     _NOT_GLUED + r"glsa_[A-Za-z0-9]{32}_[0-9a-f]{8}", 0, "random"),
+    # Linear
+    ("saas_token", ("lin_api_",), False, _NOT_GLUED + r"lin_api_[A-Za-z0-9]{40}", 0, "random"),
+    # Vault service and batch tokens
+    ("saas_token", ("hvs.",), False, _NOT_GLUED + r"hvs\.[A-Za-z0-9_-]{24,}", 0, "random"),
+    ("saas_token", ("hvb.",), False, _NOT_GLUED + r"hvb\.[A-Za-z0-9_-]{24,}", 0, "random"),
+    # Docker Hub
+    ("saas_token", ("dckr_pat_",), False, _NOT_GLUED + r"dckr_pat_[A-Za-z0-9_-]{27}", 0, "random"),
+    # Replicate
+    ("saas_token", ("r8_",), False, _NOT_GLUED + r"r8_[A-Za-z0-9]{37}", 0, "random"),
+    # Groq
+    ("saas_token", ("gsk_",), False, _NOT_GLUED + r"gsk_[A-Za-z0-9]{52}", 0, "random"),
+    # Perplexity
+    ("saas_token", ("pplx-",), False, _NOT_GLUED + r"pplx-[A-Za-z0-9]{48}", 0, "random"),
+    # Brevo
+    ("saas_token", ("xkeysib-",), False,
+     _NOT_GLUED + r"xkeysib-[0-9a-f]{64}-[A-Za-z0-9]{16}", 0, "random"),
+    # Figma
+    ("saas_token", ("figd_",), False, _NOT_GLUED + r"figd_[A-Za-z0-9_-]{40}", 0, "random"),
+    # Heroku
+    ("saas_token", ("HRKU-",), False, _NOT_GLUED + r"HRKU-[A-Za-z0-9_-]{40,}", 0, "random"),
+    # Postman
+    ("saas_token", ("PMAK-",), False, _NOT_GLUED + r"PMAK-[0-9a-f]{24}-[0-9a-f]{34}", 0, "random"),
+    # New Relic user, browser and license keys
+    ("saas_token", ("NRAK-",), False, _NOT_GLUED + r"NRAK-[A-Z0-9]{27}", 0, "random"),
+    ("saas_token", ("NRJS-",), False, _NOT_GLUED + r"NRJS-[0-9a-f]{19}", 0, "random"),
+    ("saas_token", ("NRAL",), False, _NOT_GLUED + r"[0-9a-f]{36}NRAL", 0, "random"),
+    # Doppler
+    ("saas_token", ("dp.",), False,
+     _NOT_GLUED + r"dp\.(?:pt|st|sa|ct|scim|audit)\.[A-Za-z0-9]{40,}", 0, "random"),
+    # Pulumi
+    ("saas_token", ("pul-",), False, _NOT_GLUED + r"pul-[0-9a-f]{40}", 0, "random"),
+    # Supabase
+    ("saas_token", ("sbp_",), False, _NOT_GLUED + r"sbp_[0-9a-f]{40}", 0, "random"),
+    ("saas_token", ("sb_secret_",), False,
+     _NOT_GLUED + r"sb_secret_[A-Za-z0-9_-]{20,}", 0, "random"),
+    # Notion (and its older `secret_` internal integration tokens)
+    ("saas_token", ("ntn_",), False, _NOT_GLUED + r"ntn_[A-Za-z0-9]{40,}", 0, "random"),
+    ("saas_token", ("secret_",), False, _NOT_GLUED + r"secret_[A-Za-z0-9]{43}", 0, "random"),
+    # Dropbox, Contentful, JFrog, Adafruit IO
+    ("saas_token", ("sl.",), False, r"(?<![A-Za-z0-9_.])sl\.(?:u\.)?[A-Za-z0-9_-]{100,}", 0,
+     "random"),
+    ("saas_token", ("CFPAT-",), False, _NOT_GLUED + r"CFPAT-[A-Za-z0-9_-]{43}", 0, "random"),
+    ("saas_token", ("AKCp",), False, _NOT_GLUED + r"AKCp[A-Za-z0-9]{69}", 0, "random"),
+    ("saas_token", ("aio_",), False, _NOT_GLUED + r"aio_[A-Za-z0-9]{28}", 0, "random"),
+    # Bitbucket app passwords
+    ("saas_token", ("ATBB",), False, _NOT_GLUED + r"ATBB[A-Za-z0-9]{32}", 0, "random"),
+    # NuGet
+    ("saas_token", ("oy2",), False, _NOT_GLUED + r"oy2[a-z0-9]{43}", 0, "random"),
+    # Prefect
+    ("saas_token", ("pnu_",), False, _NOT_GLUED + r"pnu_[A-Za-z0-9]{36}", 0, "random"),
+    # Netlify
+    ("saas_token", ("nfp_",), False, _NOT_GLUED + r"nfp_[A-Za-z0-9]{36}", 0, "random"),
+    # Tailscale
+    ("saas_token", ("tskey-",), False,
+     _NOT_GLUED + r"tskey-(?:auth|api|client)-[A-Za-z0-9]{6,}-[A-Za-z0-9]{16,}", 0, "random"),
+    # Atlassian
+    ("saas_token", ("ATATT3",), False,
+     _NOT_GLUED + r"ATATT3[A-Za-z0-9_-]{16}[A-Za-z0-9_=-]{84,}", 0, "random"),
+    # X (Twitter) app-only bearers
+    ("saas_token", ("AAAAAAAAAAAAAAAAAAAA",), False,
+     _NOT_GLUED + r"A{20}[A-Za-z0-9%]{40,}", 0, "random"),
+)  # fmt: skip
 _JWT: Final = re.compile(r"eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")
 _JWT_TRIMMED: Final = re.compile(r"[A-Za-z0-9_.-](?:.*[A-Za-z0-9_.-])?", re.DOTALL)
 _URL_AUTHORITY_END: Final = re.compile(r"[/?#]")
@@ -533,13 +776,14 @@ class _Corpus:
         for doc_id in self.rows.keys() - fresh.keys():
             self._remove(doc_id)
         changed = [row for doc_id, row in fresh.items() if self.rows.get(doc_id) != row]
-        secret = _secret_rows([text if isinstance(text, str) else "" for *_, text in changed])
-        for index, row in enumerate(changed):
+        texts = [text if isinstance(text, str) else "" for *_, text in changed]
+        counted = [Counter(tokenize(text)) for text in texts]
+        secret = _secret_rows(texts, set().union(*counted))
+        for index, (row, counts) in enumerate(zip(changed, counted, strict=True)):
             doc_id, _, content = row
             self._remove(doc_id)
             self.rows[doc_id] = row
             if isinstance(content, str) and index not in secret:
-                counts = Counter(tokenize(content))
                 self.contents[doc_id] = content
                 self.counts[doc_id] = counts
                 self.lengths[doc_id] = counts.total()
@@ -675,9 +919,21 @@ def _ascii_lower(text: str) -> str:
     return text.encode("utf-8", "surrogatepass").lower().decode("utf-8", "surrogatepass")
 
 
+@functools.cache
+def _shape(source: str, flags: int) -> re.Pattern[str]:
+    return re.compile(source, flags)  # on first use: most texts never need most shapes
+
+
+# Patterns only the checks use are kept as text and compiled on first use (`_shape`).
+# The lowercased text the checks of one text share (`find_secret` runs several on one text).
+_folded: Final = functools.lru_cache(maxsize=4)(_ascii_lower)
+
+
 def _credential_assignment(text: str) -> bool:
     """A credential-like name anywhere, then `=` or `:` and something after it (rule 7)."""
-    lowered = _ascii_lower(text)  # same length: positions line up with `text`
+    if ":" not in text and "=" not in text:
+        return False  # `_ASSIGNED_VALUE` needs one
+    lowered = _folded(text)  # same length: positions line up with `text`
     for name in _CREDENTIAL_NAMES:
         start = lowered.find(name)
         while start >= 0:
@@ -691,10 +947,205 @@ def _looks_random(body: str) -> bool:
     return any(char.isdigit() for char in body) or body.lower() != body != body.upper()
 
 
-def _provider_shape(pattern: re.Pattern[str]) -> Callable[[str], bool]:
-    return lambda text: any(
-        not pattern.groups or _looks_random(match.group(1)) for match in pattern.finditer(text)
+# Values that stand for a secret without being one: `none`, `redacted`, `your-password`... A
+# default password (`changeme`) is a credential.
+_PLACEHOLDERS: Final = frozenset(
+    "password passwd pass secret token example redacted hidden none null"  # noqa: SIM905
+    " nil true false placeholder dummy test todo empty undefined required optional string"
+    " value file env stdin prompt".split()
+)
+
+
+def _real_value(value: str) -> bool:
+    """A value that is not a placeholder: four characters or more once quotes are stripped,
+    not a variable or template (`$X`, `<x>`, `{{x}}`, `%(x)s`, `[x]`, `(x)`), not a flag, not
+    masked (`****`, `xxxx`), not a word that stands for a secret, not `your-...`."""
+    quoted, value = value[:1] in "\"'`", value.strip("\"'`")
+    return (
+        len(value) >= 4
+        and value[0] not in ("$<{[(" if quoted else "$<{[(*-")
+        and not re.match(r"%\(|%\w+%", value)  # `%(name)s`, `%DB_PASSWORD%`
+        and value.lower() not in _PLACEHOLDERS
+        and not set(value) <= set("xX*.#_-")
+        and "your" not in value.lower()
+        and "replace" not in value.lower()
+        and not _shape(_CODE_VALUE, 0).match(value)  # `env("X")`: code that reads one
+        and not value.startswith(("/", "~/", "./", "../"))  # a path
+        and not value.startswith(("env:", "file:", "fd:"))  # OpenSSL: where the password is
+        and "..." not in value
+        and "\u2026" not in value  # `sk_live_...`, `ghp_…`: elided
+        and not value.endswith(("xxxx", "XXXX", "***"))  # `tskey-auth-XXXX`: masked
     )
+
+
+_GCP_KEY_FIELD: Final = r"\"(?:private_key|private_key_id)\"\s*:"
+_CODE_VALUE: Final = r"[A-Za-z_][\w.]*[(\[]"
+_SYMBOLS: Final = frozenset("!#$%^&*+=~?@")
+
+
+# an e-mail address, or a lowercase `user@host` (`ec2-user@bastion-01`, not `u1hZ@gG87`)
+_EMAIL: Final = r"[^@\s]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+|[a-z0-9._-]+@[a-z0-9-]+"
+# `id=npmrc2,src=.npmrc`, `bcrypt=12`, `ENV=staging`: an argument, not a password
+_ARGUMENT: Final = r"[a-z_]{2,}\w*=|[A-Za-z_]\w*=[\w.-]*$"
+
+
+def _told(value: str) -> str | None:
+    """A value told in prose without its closing punctuation, or None where it cannot be a
+    secret: under eight characters, a placeholder, a URL, an address or an argument."""
+    value = value.strip(".,;:)]}\"'`")
+    if len(value) < 8 or not _real_value(value) or "://" in value:
+        return None
+    return (
+        None if _shape(_EMAIL, 0).fullmatch(value) or _shape(_ARGUMENT, 0).match(value) else value
+    )
+
+
+def _chosen_value(value: str) -> bool:
+    """After a password word: a told value with a digit or a symbol, and no `/` (a path)."""
+    told = _told(value)
+    return (
+        told is not None
+        and "/" not in told
+        and (any(char.isdigit() for char in told) or not _SYMBOLS.isdisjoint(told))
+    )
+
+
+def _flag_value(value: str) -> bool:
+    """A command-line credential flag's value: token-like, not a path (`~/.ssh/key2`), not an
+    argument list (`docker build --secret id=npmrc2,src=.npmrc`)."""
+    return (
+        _random_value(value)
+        and "/" not in value
+        and value[0] not in "~."
+        and not _shape(_ARGUMENT, 0).match(value)
+    )
+
+
+def _strong_value(value: str) -> bool:
+    """After a key, token, secret or login word: a told value with letters and digits, and a
+    symbol, or two digits and four changes of case; not a name that has a digit
+    (`OAuth2Client`, `S3Bucket`)."""
+    told = _told(value)
+    if told is None or not any(char.isdigit() for char in told):
+        return False
+    cases = [char.isupper() for char in told if char.isalpha()]
+    changes = sum(1 for before, after in itertools.pairwise(cases) if before != after)
+    digits = sum(char.isdigit() for char in told)
+    return bool(cases) and (not _SYMBOLS.isdisjoint(told) or (digits >= 2 and changes >= 4))
+
+
+def _random_value(value: str) -> bool:
+    """A token-like value: random-looking past its first character (`Negotiate` is a word),
+    one word, and not a placeholder."""
+    return _looks_random(value[1:]) and _real_value(value) and not _WS_RUN.search(value)
+
+
+_ENV_WORDS: Final = ("secret", "token", "pass", "pwd", "apikey", "api_key", "access_key",
+                     "accesskey", "private_key", "privatekey", "sdkkey", "sdk_key")  # fmt: skip
+_ENV_ENDINGS: Final = ("key", "secret", "token", "password", "passwd", "pass", "pwd", "pat")
+_NOT_CREDENTIALS: Final = frozenset(
+    ("bypass", "compass", "overpass", "surpass", "trespass", "underpass")
+)
+_ALONE: Final = frozenset(("password", "passwd", "secret", "token"))  # names that say it alone
+
+
+def _env_name(name: str, value: str) -> bool:
+    """`env_credential`: a name whose last part ends in a credential word (`DB_PASS`,
+    `DBPASS`, `apiToken`, `AZURE_DEVOPS_PAT`, `secret_key_base`) and that holds one, alone
+    only if it says so (`password`, not `pass: 12/12 tests`), with a real value that is not the
+    name of another value; `PWD` and `OLDPWD` are the shell's directories, `RATE_LIMIT_BYPASS`
+    no password."""
+    parts = [part for piece in re.split("[.:-]", name) for part in _components(piece)]
+    joined = "_".join(parts)
+    last = parts[-1] if parts else ""
+    ending = next((word for word in _ENV_ENDINGS if last.endswith(word)), None)
+    return (
+        (ending is not None or joined.endswith("key_base"))
+        and joined not in ("pwd", "oldpwd")
+        and last not in _NOT_CREDENTIALS
+        and (len(parts) > 1 or last != ending or last in _ALONE)
+        and (any(word in joined for word in _ENV_WORDS) or "pat" in parts)
+        and _real_value(value)
+        and not _shape(_DOTTED_NAME, 0).fullmatch(value)
+    )
+
+
+def _env_tail(match: re.Match[str], text: str) -> bool:
+    """`env_name` of the whole name whose ending group 1 is: the run of word characters
+    (3 to 64 of them) that ends there, so the pattern need not try every word as a name."""
+    start = end = match.end(1)
+    while start > 0 and text[start - 1] in _NAME_CHARS:
+        start -= 1
+    return 3 <= end - start <= 64 and _env_name(text[start:end], _group(match, text, 2))
+
+
+# `acme.auth.token`, `STRIPE_SECRET_KEY`: the name of a value, not a value
+_DOTTED_NAME: Final = r"[a-z]+(?:[._-][a-z]+)+|[A-Z]+(?:_[A-Z]+)+"
+_NAME_CHARS: Final = frozenset(string.ascii_letters + string.digits + "_")
+
+
+def _group(match: re.Match[str], text: str, index: int) -> str:
+    """A group as `text` spells it: a case-blind pattern matches the lowercased text."""
+    return text[match.start(index) : match.end(index)]
+
+
+def _last_group(match: re.Match[str], text: str) -> str:
+    return _group(match, text, match.lastindex or 0)
+
+
+# What a shape's match must also satisfy (see `_CREDENTIAL_SHAPES`).
+_SHAPE_CHECKS: Final[dict[str, Callable[[re.Match[str], str], bool]]] = {
+    "random": lambda match, text: _looks_random(_last_group(match, text)),
+    "word": lambda match, text: _random_value(_last_group(match, text)),
+    "value": lambda match, text: _real_value(_last_group(match, text)),
+    "strong": lambda match, text: _strong_value(_last_group(match, text)),
+    # `PASS:` in capitals is a test runner's verdict (`--- PASS: TestOAuth2Flow`), not a word
+    "chosen": lambda match, text: (
+        _chosen_value(_last_group(match, text)) and not text.startswith("PASS", match.start())
+    ),
+    "flag": lambda match, text: _flag_value(_last_group(match, text)),
+    "env": lambda match, text: _env_name(_group(match, text, 1), _group(match, text, 2)),
+    "env_tail": _env_tail,
+    "gcp_key": lambda _, text: _shape(_GCP_KEY_FIELD, 0).search(text) is not None,
+    # a quoted pair may be two names in a list (`["password", "api_key"]`): the value looks random
+    "env_random": lambda match, text: (
+        _env_name(_group(match, text, 1), _group(match, text, 2))
+        and _looks_random(_group(match, text, 2)[1:])
+    ),
+    "env_pair": lambda match, text: _env_name(_group(match, text, 1), _last_group(match, text)),
+}
+
+
+# Characters one of which every match of these rules holds: a text without any skips the rule
+# before its pattern is compiled or run (the property tests check each of them).
+_NEEDS: Final = {
+    "quoted_password": "\"'",
+    "quoted_credential": "\"'",
+    "env_credential": ":=\"'",
+    "credential_header": ":\"';",
+    "connection_password": "=:",
+    "sdk_client_key": "\"'",
+}
+
+
+def _provider_shape(
+    source: str, flags: int, check: str | None, needs: str = ""
+) -> Callable[[str], bool]:
+    """A shape's check. An "(ai)" pattern is written in lower case and run, case-sensitive,
+    over the ASCII-lowercased text (same length, so groups line up): several times faster
+    than IGNORECASE, and the same matches."""
+    blind, flags = bool(flags & re.IGNORECASE), flags & ~re.IGNORECASE
+
+    def matches(text: str) -> bool:
+        if needs and not any(char in text for char in needs):
+            return False
+        haystack = _folded(text) if blind else text
+        for match in _shape(source, flags).finditer(haystack):
+            if check is None or _SHAPE_CHECKS[check](match, text):
+                return True
+        return False
+
+    return matches
 
 
 def _jwt(text: str) -> bool:
@@ -705,44 +1156,170 @@ def _jwt(text: str) -> bool:
     return False
 
 
-# (rule, a literal every match contains, whether to look for it in the lowercased text, check).
-# The literal is a cheap pre-filter: most text skips most regexes without running them.
-_SECRET_RULES: Final[tuple[tuple[str, tuple[str, ...], bool, Callable[[str], object]], ...]] = (
-    ("private_key", ("-----",), False, _PEM_PRIVATE_KEY.search),
+# (rule, literals one of which every match contains, whether to look for them in the
+# lowercased text, check). The literals are a cheap pre-filter: most text skips most checks.
+# Order matters only for which name a text matching several rules gets: the first.
+_Rule = tuple[str, tuple[str, ...], bool, Callable[[str], object]]
+_REFERENCE_RULES: Final[tuple[_Rule, ...]] = (
+    ("private_key", ("private key-----",), True, _PEM_PRIVATE_KEY.search),
     ("authorization_header", ("authorization",), True, _AUTHORIZATION_HEADER.search),
     ("bearer_token", ("bearer ",), True, _bearer_token),
     ("credential_url", ("://",), False, _credential_url),
     (
         "provider_token",
-        ("sk-", "sk_", "ghp_", "gho_", "ghu_", "ghs_", "github_pat_", "xox", "akia"),
+        (
+            "sk-",
+            "sk_",
+            "ghp_",
+            "gho_",
+            "ghu_",
+            "ghs_",
+            "github_pat_",
+            "xoxb-",
+            "xoxp-",
+            "xoxa-",
+            "xoxr-",
+            "akia",
+        ),
         True,
         _PROVIDER_PREFIX.search,
     ),
     ("jwt", ("eyJ",), False, _jwt),
     ("credential_assignment", _CREDENTIAL_NAMES, True, _credential_assignment),
-    *(
-        (name, literals, lowered, _provider_shape(pattern))
-        for name, literals, lowered, pattern in _PROVIDER_SHAPES
-    ),
 )
+
+
+def _shape_rules(
+    shapes: Iterable[tuple[str, tuple[str, ...], bool, str, int, str | None]],
+) -> tuple[_Rule, ...]:
+    return tuple(
+        (name, literals, lowered, _provider_shape(source, flags, check, _NEEDS.get(name, "")))
+        for name, literals, lowered, source, flags, check in shapes
+    )
+
+
+_SECRET_RULES: Final = (
+    *_REFERENCE_RULES,
+    *_shape_rules(_CREDENTIAL_SHAPES),
+    *_shape_rules(_TOKEN_SHAPES),  # last: only where `_TOKEN_RUN` finds a run
+)
+_FIRST_TOKEN_RULE: Final = len(_SECRET_RULES) - len(_TOKEN_SHAPES)
+
+
+# (literal, whether it is looked for in the lowercased text, its longest run of word characters
+# lowercased (`_secret_rows` looks for that among a corpus's terms), the rules it admits)
+_Literal = tuple[str, bool, str, tuple[int, ...]]
+
+
+# Characters a literal may be looked for under, rarest in notes and code first: finding one
+# character is a `memchr`, many times faster than finding a word, so a text without `~` or
+# `>` skips every literal that holds one.
+_ANCHORS: Final = '~><="_:/-.'
+_Tree = tuple[tuple[_Literal, tuple[_Literal, ...]], ...]
+
+
+def _literal_table(rules: range) -> tuple[_Tree, _Tree]:
+    """The distinct literals of these rules as two trees two levels deep (roots looked for in
+    the text, roots looked for in the lowercased text), each root with the literals to look
+    for once it is found. A literal holding an anchor character sits under the first such
+    character; one that implies a literal holding none (`password` implies `pass`: a text
+    holding the first holds the second) sits under the longest of those; the rest are roots."""
+    admits: dict[tuple[str, bool], list[int]] = {}
+    for index in rules:
+        _, literals, lower, _ = _SECRET_RULES[index]
+        for literal in literals:
+            admits.setdefault((literal, lower), []).append(index)
+    rows = {
+        key: (*key, max(re.findall(r"\w+", key[0].lower()), key=len, default=""),
+              tuple(indexes))
+        for key, indexes in admits.items()
+    }  # fmt: skip
+    plain = [key for key in rows if not any(char in key[0] for char in _ANCHORS)]
+    facts = [(key, *key, _ascii_lower(key[0]), not re.search("[A-Za-z]", key[0])) for key in plain]
+
+    def implied(
+        found: tuple[str, bool], among: Iterable[tuple[str, bool]]
+    ) -> list[tuple[str, bool]]:
+        """The literals of `among` that a text holding `found` holds too: one looked for
+        lowercased is there in any case; an exact one holding no letter, in any case."""
+        text, lowered = found
+        folded = _ascii_lower(text)
+        return [
+            key
+            for key, part, part_lowered, _, caseless in facts
+            if key != found
+            and key in among
+            and (part in folded if part_lowered else part in text and (caseless or not lowered))
+        ]
+
+    roots = [key for key in plain if not implied(key, rows)]
+    tree: dict[tuple[str, bool], list[_Literal]] = {root: [] for root in roots}
+    for key in [key for key in rows if key not in tree]:
+        anchor = next((char for char in _ANCHORS if char in key[0]), None)
+        if anchor is None:
+            parent = max(implied(key, set(roots)), key=lambda root: len(root[0]))
+        else:
+            parent = (anchor, False)
+            rows.setdefault(parent, (anchor, False, "", ()))
+        tree.setdefault(parent, []).append(rows[key])
+    trees = [tuple((rows[root], tuple(tree[root])) for root in tree if root[1] == lowered)
+             for lowered in (False, True)]  # fmt: skip
+    return trees[0], trees[1]
+
+
+_TOKEN_RULES: Final = range(_FIRST_TOKEN_RULE, len(_SECRET_RULES))
+_LITERALS: Final = _literal_table(range(_FIRST_TOKEN_RULE))
+_TOKEN_LITERALS: Final = _literal_table(_TOKEN_RULES)
 
 
 def find_secret(content: str) -> str | None:
     """Name the first secret rule the content matches, or None. Best effort, never the match."""
-    lowered = _ascii_lower(content)
-    for name, literals, lower, matches in _SECRET_RULES:
-        text = lowered if lower else content
-        if any(literal in text for literal in literals) and matches(content):
+    lowered = _folded(content)
+    tables = (_LITERALS, _TOKEN_LITERALS) if _TOKEN_RUN.search(content) else (_LITERALS,)
+    admitted: set[int] = set()
+    for exact, blind in tables:  # a list comprehension per table: the loop runs in C
+        found = [row for row in exact if row[0][0] in content]
+        found += [row for row in blind if row[0][0] in lowered]
+        for (_, _, _, indexes), children in found:
+            admitted.update(indexes)
+            for child, child_lower, _, child_indexes in children:
+                if child in (lowered if child_lower else content):
+                    admitted.update(child_indexes)
+    for index in sorted(admitted):
+        name, _, _, matches = _SECRET_RULES[index]
+        if matches(content):
             return name
     return None
 
 
-def _secret_rows(texts: Sequence[str]) -> set[int]:
-    """The indexes of the texts `find_secret` names. A rule that matches a text also matches
-    it between newlines, so one pass over all texts joined clears a clean corpus at once."""
-    if find_secret("\n".join(texts)) is None:
-        return set()
-    return {index for index, text in enumerate(texts) if find_secret(text) is not None}
+def _secret_rows(texts: Sequence[str], terms: Iterable[str]) -> set[int]:
+    """The indexes of the texts `find_secret` names, given every term `tokenize` finds in
+    them. A literal's run of word characters lies inside one term of any text that holds the
+    literal, so a literal whose run no term holds is looked for in no text, and a child of the
+    literal tree only in the texts that hold its root: a corpus pays for the literals it
+    could hold, not for every literal times every text."""
+    vocabulary = "\n".join(terms)
+    folded = [_ascii_lower(text) for text in texts]
+    admitted: dict[int, set[int]] = {}  # rule index -> texts to check
+
+    def look(row: _Literal, among: Iterable[int]) -> list[int]:
+        literal, lower, run, indexes = row
+        haystacks = folded if lower else texts
+        holding = [i for i in among if literal in haystacks[i]] if run in vocabulary else []
+        for index in indexes:
+            admitted.setdefault(index, set()).update(holding)
+        return holding
+
+    for table in (*_LITERALS, *_TOKEN_LITERALS):
+        for root, children in table:
+            holding = look(root, range(len(texts)))
+            for child in children if holding else ():
+                look(child, holding)
+    rules_of: dict[int, list[int]] = {}  # text -> the rules to check, so checks share `_folded`
+    for index, candidates in admitted.items():
+        for i in candidates:
+            rules_of.setdefault(i, []).append(index)
+    return {i for i, rules in rules_of.items() if any(_SECRET_RULES[r][3](texts[i]) for r in rules)}
 
 
 def _hidden(content: object) -> bool:

@@ -36,7 +36,7 @@ import tempfile
 import unicodedata
 import unittest.mock
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -505,8 +505,7 @@ SECRET_PIECES = st.sampled_from(
 def test_secret_prefilters_never_change_the_verdict(pieces: list[str]) -> None:
     """The literal pre-filters only skip work: every rule, run unfiltered, agrees."""
     content = "".join(pieces)
-    unfiltered = next((name for name, _, _, check in tactmem._SECRET_RULES if check(content)), None)
-    assert find_secret(content) == unfiltered
+    assert find_secret(content) == unfiltered(content)
 
 
 def credential_url_word_by_word(text: str) -> bool:
@@ -555,9 +554,91 @@ def test_line_rules_find_what_margins_across_lines_would(pieces: list[str]) -> N
 @settings(max_examples=300, deadline=None)
 @given(texts=st.lists(st.lists(SECRET_PIECES | st.text(max_size=8), max_size=6).map("".join)))
 def test_secret_rows_of_a_corpus_are_its_secret_texts(texts: list[str]) -> None:
-    """One pass over the texts joined by newlines finds every text `find_secret` names."""
+    """Looking for literals among the corpus's terms first finds every text `find_secret`
+    names, and no other."""
     expected = {index for index, text in enumerate(texts) if find_secret(text) is not None}
-    assert tactmem._secret_rows(texts) == expected
+    assert tactmem._secret_rows(texts, set().union(*map(tactmem.tokenize, texts))) == expected
+
+
+def every_literal() -> Iterator[tuple[str, bool, str, tuple[int, ...]]]:
+    """Every literal of the trees that admits a rule (anchors admit none)."""
+    for table in (*tactmem._LITERALS, *tactmem._TOKEN_LITERALS):
+        for root, children in table:
+            yield from (row for row in (root, *children) if row[3])
+
+
+def unfiltered(text: str) -> str | None:
+    """`find_secret` without any shortcut: every rule's check, in order."""
+    return next((name for name, _, _, check in tactmem._SECRET_RULES if check(text)), None)
+
+
+LITERAL_PIECES = st.sampled_from(sorted({row[0] for row in every_literal()}))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    pieces=st.lists(
+        LITERAL_PIECES
+        | st.sampled_from([*tactmem._ANCHORS, " ", "\n", "=", ": ", '"', "/", "@", "A1b2C3d4"])
+        | st.text(max_size=6)
+        | st.from_regex(r"[A-Za-z0-9_-]{8,40}", fullmatch=True),
+        max_size=14,
+    )
+)
+def test_literal_trees_never_change_the_verdict(pieces: list[str]) -> None:
+    """Texts built from every rule's literals, anchors and token runs: the literal trees, the
+    token gate and the lowercase-instead-of-IGNORECASE patterns skip work, never a verdict,
+    and the corpus pass agrees."""
+    content = "".join(pieces)
+    assert find_secret(content) == unfiltered(content)
+    texts = [content, content.upper(), content.lower()]
+    expected = {index for index, text in enumerate(texts) if find_secret(text) is not None}
+    assert tactmem._secret_rows(texts, set().union(*map(tactmem.tokenize, texts))) == expected
+
+
+SHAPES = [
+    (shape, shape in tactmem._TOKEN_SHAPES)
+    for shape in (*tactmem._CREDENTIAL_SHAPES, *tactmem._TOKEN_SHAPES)
+]
+
+
+@pytest.mark.parametrize(("shape", "token"), SHAPES, ids=[shape[0] for shape, _ in SHAPES])
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_every_shape_match_passes_its_prefilters(
+    shape: tuple[str, tuple[str, ...], bool, str, int, str | None], token: bool, data: st.DataObject
+) -> None:
+    """Texts generated from each shape's own pattern: where the shape holds, one of its
+    literals is in the text, and a token shape's text holds a `_TOKEN_RUN`; each literal's
+    word run is among the text's terms; the corpus pass agrees with `find_secret`."""
+    name, literals, lowered, source, flags, check = shape
+    text = data.draw(st.from_regex(re.compile(source, flags)))
+    if data.draw(st.booleans()):  # other spellings of the same letters
+        text = "".join(data.draw(st.sampled_from([c.lower(), c.upper()])) for c in text)
+    holds = tactmem._provider_shape(source, flags, check, tactmem._NEEDS.get(name, ""))(text)
+    case_blind = [  # what IGNORECASE over the text itself finds
+        match
+        for match in re.compile(source, flags).finditer(text)
+        if check is None or tactmem._SHAPE_CHECKS[check](match, text)
+    ]
+    assert holds == bool(case_blind)
+    if holds:
+        event("the shape's check holds")
+        assert any(
+            literal in (tactmem._ascii_lower(text) if lowered else text) for literal in literals
+        )
+        if token:
+            assert tactmem._TOKEN_RUN.search(text)
+    terms = tactmem.tokenize(text)
+    vocabulary = "\n".join(terms)
+    folded = tactmem._ascii_lower(text)
+    for literal, lower, run, _ in every_literal():
+        if literal in (folded if lower else text):
+            assert run in vocabulary
+    assert find_secret(text) == unfiltered(text)
+    texts = ["In ledgerline, releases are tagged by CI.", text]
+    expected = {index for index, each in enumerate(texts) if find_secret(each) is not None}
+    assert tactmem._secret_rows(texts, set(terms) | set(tactmem.tokenize(texts[0]))) == expected
 
 
 @given(text=st.text(st.characters(exclude_categories=())))
