@@ -3434,21 +3434,47 @@ def memory_db_path(config_path: str | os.PathLike[str]) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(config_path)), "memory", "v1.sqlite3")
 
 
+_CONFIG_BYTES: Final = 65_536  # a config file holds one table with one key
+
+
+def _read_small_file(path: str, limit: int) -> bytes | None:
+    """At most `limit + 1` bytes of a regular file, or None if `path` names something else (a
+    directory, a device such as `/dev/zero`, a FIFO: opened without blocking, so a FIFO with no
+    writer is refused instead of waited on). Raises `OSError`, or `ValueError` for a name no
+    file can have (a NUL, a lone surrogate)."""
+    import stat
+
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        with open(descriptor, "rb", closefd=False) as file:
+            return file.read(limit + 1)
+    finally:
+        os.close(descriptor)
+
+
 def load_config(
     explicit: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
 ) -> Config:
-    """Read the selected config file; a missing implicit file means the defaults."""
+    """Read the selected config file; a missing implicit file means the defaults. Only a
+    regular file of at most `_CONFIG_BYTES` is read."""
     env = os.environ if environ is None else environ
     path = resolve_config_path(explicit, environ=env)
     try:
-        with open(path, "rb") as file:
-            data = file.read()
+        data = _read_small_file(path, _CONFIG_BYTES)
     except FileNotFoundError:
         if explicit is not None or env.get("TACT_CONFIG"):
             raise ConfigError(f"config file not found: {path}") from None
         return Config(path)
     except OSError:
         raise ConfigError(f"could not read the config file {path}") from None
+    except ValueError:
+        raise ConfigError("the config file's name is one no file can have") from None
+    if data is None:
+        raise ConfigError(f"the config file {path} is not a regular file")
+    if len(data) > _CONFIG_BYTES:
+        raise ConfigError(f"the config file {path} is larger than {_CONFIG_BYTES} bytes")
     return _parse_config(path, data)
 
 
@@ -3460,6 +3486,8 @@ def _parse_config(path: str, data: bytes) -> Config:
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         where = str(error) if isinstance(error, tomllib.TOMLDecodeError) else "not UTF-8"
         raise ConfigError(f"config file {path} is not valid TOML ({where})") from None
+    except RecursionError:  # arrays or inline tables nested thousands deep
+        raise ConfigError(f"config file {path} is not valid TOML (nested too deeply)") from None
     memory = document.get("memory", {})
     if not isinstance(memory, dict):
         raise ConfigError(f"[memory] in {path} must be a table")
@@ -3796,22 +3824,13 @@ class _Scenario:
 def _read_eval_file(path: str) -> str:
     """A scenario, paired-run or thresholds file: a regular file of at most `_EVAL_FILE_BYTES`,
     UTF-8 (a leading byte-order mark is dropped)."""
-    import stat
-
-    try:  # non-blocking, so that a FIFO with no writer is refused instead of waited on
-        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        try:
-            regular, data = stat.S_ISREG(os.fstat(descriptor).st_mode), b""
-            if regular:
-                with open(descriptor, "rb", closefd=False) as file:
-                    data = file.read(_EVAL_FILE_BYTES + 1)
-        finally:
-            os.close(descriptor)
+    try:
+        data = _read_small_file(path, _EVAL_FILE_BYTES)
     except OSError as error:
         raise _BadScenario(f"{path}: cannot be read ({error.strerror})") from None
     except ValueError:  # a NUL or a lone surrogate in the name
         raise _BadScenario("a file name that no file can have") from None
-    if not regular:
+    if data is None:
         raise _BadScenario(f"{path}: not a regular file")
     if len(data) > _EVAL_FILE_BYTES:
         raise _BadScenario(f"{path}: larger than {_EVAL_FILE_BYTES} bytes")

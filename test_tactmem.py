@@ -2189,6 +2189,50 @@ def test_config_that_is_not_utf8_is_a_clear_error(tmp_path: Path) -> None:
         load_config(path, environ={})
 
 
+def test_config_that_is_no_regular_file_is_refused_at_once(tmp_path: Path) -> None:
+    """Issue 13: a device (`/dev/zero` reads without end), a FIFO with no writer (an open would
+    wait for one) and a directory are refused before any read."""
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    for path in (Path("/dev/zero"), fifo, tmp_path):
+        with pytest.raises(ConfigError, match="is not a regular file"):
+            load_config(path, environ={})
+
+
+def test_config_larger_than_the_limit_is_refused(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "[memory]\nenabled = true\n" + "#" * tactmem._CONFIG_BYTES)
+    with pytest.raises(ConfigError, match=f"larger than {tactmem._CONFIG_BYTES} bytes"):
+        load_config(path, environ={})
+    at_limit = write_config(
+        tmp_path, "[memory]\nenabled = true\n#".ljust(tactmem._CONFIG_BYTES, "#")
+    )
+    assert load_config(at_limit, environ={}).memory_enabled
+
+
+@pytest.mark.parametrize(
+    "nested", ["x = " + "[" * 10_000 + "]" * 10_000, "x = " + "{a=" * 10_000 + "1" + "}" * 10_000]
+)
+def test_deeply_nested_config_is_a_clear_error(tmp_path: Path, nested: str) -> None:
+    path = write_config(tmp_path, nested)
+    with pytest.raises(ConfigError, match=r"nested too deeply|is not valid TOML"):
+        load_config(path, environ={})
+
+
+def test_config_name_no_file_can_have_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="no file can have"):
+        load_config("a\x00b.toml", environ={})
+
+
+def test_cli_config_on_a_device_is_one_line(tmp_path: Path) -> None:
+    """As a user sees it: one line on stderr and a failing exit, no traceback, no hang."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tactmem", "--config", "/dev/zero", "list"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "not a regular file" in done.stderr
+
+
 def test_config_path_resolution_order(tmp_path: Path) -> None:
     explicit, env_config = tmp_path / "explicit.toml", tmp_path / "env.toml"
     everything = {
