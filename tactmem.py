@@ -1403,8 +1403,9 @@ class _ScanPlan(NamedTuple):
 
 
 def _scan_terms(query: str, limits: Limits) -> list[str]:
-    """Check a query before any I/O; return its distinct terms."""
-    if _utf8_length(query, "query") > limits.query_bytes:
+    """Check a query before any I/O; return its distinct terms. The size comes first: a
+    character is at least one byte, so a long query is refused before it is even encoded."""
+    if len(query) > limits.query_bytes or _utf8_length(query, "query") > limits.query_bytes:
         raise QueryTooLarge(limits.query_bytes)
     return _query_terms(query)
 
@@ -1478,13 +1479,18 @@ class _Put(NamedTuple):
 
 
 def _check_put(content: str, replace: Key | None, limits: Limits, now_ms: int) -> _Put:
-    """Check content in the reference's order (empty, too large, secret), before any I/O."""
-    size = _utf8_length(content, "content")
-    identity = normalized_identity(content)
-    if not identity:
+    """Check content in the reference's order (empty, too large, secret), before any I/O, and
+    before any work that grows with the content: emptiness is one regex over white space, and
+    a text with more characters than the bound has more bytes (issue 13: a 50 MB put used to
+    build its identity first)."""
+    if not content or _WS_RUN.fullmatch(content):
         raise EmptyContent()
+    if len(content) > limits.content_bytes:
+        raise ContentTooLarge(limits.content_bytes)
+    size = _utf8_length(content, "content")
     if size > limits.content_bytes:
         raise ContentTooLarge(limits.content_bytes)
+    identity = normalized_identity(content)
     rule = find_secret(content)
     if rule is not None:
         raise SecretRejected(rule)

@@ -468,6 +468,28 @@ def test_secret_error_never_contains_content_for_any_fixture(db: Path) -> None:
 # ============================================================================ identity
 
 
+def test_an_oversized_put_or_scan_is_refused_before_any_work(db: Path) -> None:
+    """Issue 13: sizes are checked first. A 20 MB put or query allocates nothing that grows
+    with it before the refusal (it used to build the whole normalized identity first)."""
+    import tracemalloc
+
+    store = Store(db)
+    words = "word " * 4_000_000  # 20 MB of separate words: the identity would be a huge list
+    tracemalloc.start()
+    try:
+        with pytest.raises(ContentTooLarge):
+            store.put(words, now_ms=1)
+        with pytest.raises(tactmem.QueryTooLarge):
+            store.scan(words, now_ms=1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, peak
+    with pytest.raises(EmptyContent):  # the reference's order: empty before too large
+        store.put(" \n\t" * 1_000_000, now_ms=1)
+    assert store.list(now_ms=1) == ()
+
+
 def test_normalized_identity() -> None:
     assert normalized_identity("Remember  SQLite") == "remember sqlite"
     assert normalized_identity("  remember sqlite \n") == "remember sqlite"
