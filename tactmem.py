@@ -4104,15 +4104,24 @@ def _serve_lines(tool: MemoryTool) -> None:
     """`tactmem tool`: one JSON request per line on stdin, one JSON answer per line on stdout."""
     if sys.stdin is None:
         raise InvalidRequest("there is no standard input to read requests from")
-    for raw_line in sys.stdin.buffer:
-        try:
-            line = raw_line.decode("utf-8")
-        except UnicodeDecodeError:
-            answer = _error_answer(InvalidRequest("memory request is not UTF-8"))
+    # A request line holds at most one content, each character escaped (`\\uXXXX`) at worst.
+    limit = max(1 << 16, 6 * tool.store.limits.content_bytes + 4096)
+    stream = sys.stdin.buffer
+    while raw_line := stream.readline(limit + 1):
+        if len(raw_line) > limit and not raw_line.endswith(b"\n"):
+            while (rest := stream.readline(limit + 1)) and not rest.endswith(b"\n"):
+                pass  # the rest of a line too long to be a request, never held whole
+            too_long = f"memory request line is longer than {limit} bytes"
+            answer = _error_answer(InvalidRequest(too_long))
         else:
-            if not line.strip():
-                continue
-            answer = tool.call(line)
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError:
+                answer = _error_answer(InvalidRequest("memory request is not UTF-8"))
+            else:
+                if not line.strip():
+                    continue
+                answer = tool.call(line)
         sys.stdout.write(_json(answer) + "\n")
         sys.stdout.flush()
 

@@ -2390,6 +2390,22 @@ def test_tool_command_speaks_json_lines(tmp_path: Path) -> None:
     assert [r.content for r in Store(db).list()] == ["The tool command speaks JSON lines."]
 
 
+def test_tool_command_refuses_a_line_too_long_and_goes_on(tmp_path: Path) -> None:
+    """Issue 13: a 20 MB request line is one error answer, read in pieces, and the next line
+    is served; nothing is stored."""
+    db = tmp_path / "tool.sqlite3"
+    huge = json.dumps({"operation": "put", "content": "word " * 4_000_000}).encode() + b"\n"
+    stdin = huge + json_lines({"operation": "scan", "query": "word"})
+    result = run_tactmem("--db", str(db), "tool", stdin=stdin)
+    assert (result.returncode, result.stderr) == (0, b"")
+    first, second = [json.loads(line) for line in result.stdout.decode("ascii").splitlines()]
+    assert (
+        first["error"]["code"] == "invalid_request" and "longer than" in first["error"]["message"]
+    )
+    assert second["operation"] == "scan" and second["abstained"] is True
+    assert Store(db).list() == ()
+
+
 def test_tool_command_child_refuses_mutation(tmp_path: Path) -> None:
     db = tmp_path / "tool.sqlite3"
     with Store(db) as store:
