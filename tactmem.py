@@ -931,8 +931,6 @@ _folded: Final = functools.lru_cache(maxsize=4)(_ascii_lower)
 
 def _credential_assignment(text: str) -> bool:
     """A credential-like name anywhere, then `=` or `:` and something after it (rule 7)."""
-    if ":" not in text and "=" not in text:
-        return False  # `_ASSIGNED_VALUE` needs one
     lowered = _folded(text)  # same length: positions line up with `text`
     for name in _CREDENTIAL_NAMES:
         start = lowered.find(name)
@@ -1124,21 +1122,26 @@ _NEEDS: Final = {
     "env_credential": ":=\"'",
     "credential_header": ":\"';",
     "connection_password": "=:",
+    "credential_assignment": ":=",  # `_ASSIGNED_VALUE` needs one
     "sdk_client_key": "\"'",
 }
 
 
-def _provider_shape(
-    source: str, flags: int, check: str | None, needs: str = ""
-) -> Callable[[str], bool]:
+def _needing(name: str, check: Callable[[str], object]) -> Callable[[str], object]:
+    """A rule's check, skipped where none of its `_NEEDS` characters is."""
+    needs = _NEEDS.get(name)
+    if not needs:
+        return check
+    return lambda text: any(char in text for char in needs) and check(text)
+
+
+def _provider_shape(source: str, flags: int, check: str | None) -> Callable[[str], bool]:
     """A shape's check. An "(ai)" pattern is written in lower case and run, case-sensitive,
     over the ASCII-lowercased text (same length, so groups line up): several times faster
     than IGNORECASE, and the same matches."""
     blind, flags = bool(flags & re.IGNORECASE), flags & ~re.IGNORECASE
 
     def matches(text: str) -> bool:
-        if needs and not any(char in text for char in needs):
-            return False
         haystack = _folded(text) if blind else text
         for match in _shape(source, flags).finditer(haystack):
             if check is None or _SHAPE_CHECKS[check](match, text):
@@ -1193,15 +1196,18 @@ def _shape_rules(
     shapes: Iterable[tuple[str, tuple[str, ...], bool, str, int, str | None]],
 ) -> tuple[_Rule, ...]:
     return tuple(
-        (name, literals, lowered, _provider_shape(source, flags, check, _NEEDS.get(name, "")))
+        (name, literals, lowered, _provider_shape(source, flags, check))
         for name, literals, lowered, source, flags, check in shapes
     )
 
 
-_SECRET_RULES: Final = (
-    *_REFERENCE_RULES,
-    *_shape_rules(_CREDENTIAL_SHAPES),
-    *_shape_rules(_TOKEN_SHAPES),  # last: only where `_TOKEN_RUN` finds a run
+_SECRET_RULES: Final = tuple(
+    (name, literals, lowered, _needing(name, check))
+    for name, literals, lowered, check in (
+        *_REFERENCE_RULES,
+        *_shape_rules(_CREDENTIAL_SHAPES),
+        *_shape_rules(_TOKEN_SHAPES),  # last: only where `_TOKEN_RUN` finds a run
+    )
 )
 _FIRST_TOKEN_RULE: Final = len(_SECRET_RULES) - len(_TOKEN_SHAPES)
 

@@ -615,7 +615,7 @@ def test_every_shape_match_passes_its_prefilters(
     text = data.draw(st.from_regex(re.compile(source, flags)))
     if data.draw(st.booleans()):  # other spellings of the same letters
         text = "".join(data.draw(st.sampled_from([c.lower(), c.upper()])) for c in text)
-    holds = tactmem._provider_shape(source, flags, check, tactmem._NEEDS.get(name, ""))(text)
+    holds = bool(tactmem._needing(name, tactmem._provider_shape(source, flags, check))(text))
     case_blind = [  # what IGNORECASE over the text itself finds
         match
         for match in re.compile(source, flags).finditer(text)
