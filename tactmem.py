@@ -1621,9 +1621,10 @@ def _strict_key(value: object, what: str) -> Key:
 def _check_fields(
     value: Mapping[Any, Any], required: tuple[str, ...], optional: tuple[str, ...], what: str
 ) -> None:
-    for name in value:
+    for name in value:  # never named: a field name an agent or a file made up could be a secret
         if name not in required and name not in optional:
-            raise InvalidRequest(f"{what} has an unknown field: {_field_label(name)}")
+            known = ", ".join((*required, *optional))
+            raise InvalidRequest(f"{what} has an unknown field (it takes only {known})")
     for name in sorted(set(required) - set(value)):
         raise InvalidRequest(f"{what} is missing the field {name!r}")
 
@@ -3963,17 +3964,31 @@ class _UsageError(Exception):
     pass
 
 
+# argparse's messages that repeat what was typed (which could be a secret), reworded to name the
+# argument instead; every other argparse message names only arguments and choices.
+_USAGE_WORDING: Final = (
+    (r"argument ([^:]+): invalid choice: .* \(choose from (.*)\)", r"argument \1 takes one of \2"),
+    (r"argument ([^:]+): invalid \S+ value: .*", r"argument \1 has an invalid value"),
+    (r"argument ([^:]+): ignored explicit argument .*", r"argument \1 takes no value"),
+    (r"unrecognized arguments: .*", "unexpected extra arguments (not shown)"),
+    (r"ambiguous option: .*", "an abbreviated option matches more than one option"),
+)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error in one line instead of exiting with a usage dump."""
+    """argparse that reports a usage error in one line, without repeating any typed value,
+    instead of exiting with a usage dump."""
 
     def error(self, message: str) -> NoReturn:
+        for pattern, wording in _USAGE_WORDING:
+            message = re.sub(f"(?s)^{pattern}$", wording, message)
         raise _UsageError(message)
 
 
 def _number(text: str) -> int:
     """A plain decimal number, as ids, versions and limits are typed (not `٣`, not `1_0`)."""
     if re.fullmatch("[0-9]{1,19}", text) is None:
-        raise argparse.ArgumentTypeError(f"expected a whole number, not {text[:20]!r}")
+        raise argparse.ArgumentTypeError("expected a whole number")
     return int(text)
 
 

@@ -1428,13 +1428,13 @@ def test_cli_stats(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ("argv", "status", "message"),
     [
         (["scan"], 2, "tactmem: usage: the following arguments are required: query"),
-        (["frobnicate"], 2, "tactmem: usage: argument COMMAND: invalid choice"),
+        (["frobnicate"], 2, "tactmem: usage: argument COMMAND takes one of 'scan'"),
         (["delete", "7"], 2, "tactmem: usage: argument ID@VERSION: a memory key is written"),
-        (["read", "x"], 2, "tactmem: usage: argument ID: expected a whole number, not 'x'"),
+        (["read", "x"], 2, "tactmem: usage: argument ID: expected a whole number (see"),
         (["read", "٣"], 2, "tactmem: usage: argument ID: expected a whole number"),
         (["read", "1_0"], 2, "tactmem: usage: argument ID: expected a whole number"),
         (["read", "9" * 20], 2, "tactmem: usage: argument ID: expected a whole number"),
-        (["scan", "q", "--limit", "9"], 2, "tactmem: usage: argument --limit: invalid choice: 9"),
+        (["scan", "q", "--limit", "9"], 2, "tactmem: usage: argument --limit takes one of 1"),
         (["scan", "q", "--limit", "-1"], 2, "tactmem: usage: argument --limit: expected a whole"),
         (["scan", "  "], 1, "tactmem: memory scan query is empty"),
         (["scan", "q" * 513], 1, "tactmem: memory query exceeds the 512-byte limit"),
@@ -1452,6 +1452,54 @@ def test_cli_errors_are_one_line(
     assert (got, out) == (status, "")
     assert err.startswith(message) and err.count("\n") == 1
     assert "hunter22" not in err
+
+
+SECRET_WORD = "hunter_9f3k2q7zx"  # a made-up value that no message has any reason to contain
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [SECRET_WORD],
+        ["read", SECRET_WORD],
+        ["read", "1", SECRET_WORD],
+        ["scan", "q", SECRET_WORD],
+        ["scan", "q", "--limit", SECRET_WORD],
+        ["scan", "q", "--min-coverage", SECRET_WORD],
+        ["list", "--sort", SECRET_WORD],
+        ["list", "--json=" + SECRET_WORD],
+        ["list", "--" + SECRET_WORD],
+        ["list", "-" + SECRET_WORD],
+        ["delete", SECRET_WORD],
+        ["put", "x", "--replace", SECRET_WORD],
+        ["tool", "--child=" + SECRET_WORD],
+        ["--db", "x", "--config", SECRET_WORD, "list"],
+    ],
+)
+def test_usage_errors_never_repeat_what_was_typed(
+    db: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """A typed value could be a credential pasted into the wrong place: a usage error names the
+    argument, never the value."""
+    got, out, err = run_cli(capsys, "--db", str(db), *argv)
+    assert (got, out) == (2, "") and err.startswith("tactmem: usage: ") and err.count("\n") == 1
+    assert "hunter" not in err
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        {"operation": "scan", "query": "q", SECRET_WORD: 1},
+        {"operation": "put", "content": "x", "replace": {"id": 1, "version": 1, SECRET_WORD: 1}},
+        {"operation": "delete", "id": 1, "version": 1, "AKIAIOSFODNN7EXAMPLE": 1},
+    ],
+)
+def test_the_tool_never_names_an_unknown_field(db: Path, request_: dict[str, Any]) -> None:
+    with Store(db) as store:
+        answer = MemoryTool(store, root=True).call(request_)
+    message = answer["error"]["message"]
+    assert answer["error"]["code"] == "invalid_request" and "unknown field" in message
+    assert "hunter" not in message and "AKIA" not in message and "it takes only" in message
 
 
 @pytest.mark.parametrize(
@@ -3254,7 +3302,7 @@ def test_a_wrong_expectation_fails_eval_and_names_its_line(
         ("[1, 2]", "not a JSON object"),
         ('{"step": "jump"}', "step must be one of"),
         ('{"step": "put"}', "put step is missing the field 'content'"),
-        ('{"step": "put", "content": "x", "colour": 1}', "unknown field: 'colour'"),
+        ('{"step": "put", "content": "x", "colour": 1}', "it takes only content, as,"),
         ('{"step": "put", "content": 5}', "put step field 'content' must be a string"),
         ('{"step": "put", "content": "x", "expect": "deleted"}', "an outcome it cannot have"),
         ('{"step": "scan", "query": "q", "relevant": ["nobody"]}', "a label no earlier step"),
@@ -3262,14 +3310,14 @@ def test_a_wrong_expectation_fails_eval_and_names_its_line(
         ('{"step": "limits", "records": 0}', "'records' must be a positive integer"),
         ('{"step": "put", "content": "hunter2 password=hunter2", "as": "a", "bogus": 1}',
          "unknown field"),
-        ('{"step": "put", "content": "x", "AKIAIOSFODNN7EXAMPLE": 1}', "a name that is not shown"),
+        ('{"step": "put", "content": "x", "AKIAIOSFODNN7EXAMPLE": 1}', "an unknown field (it"),
         ('{"step": "put", "content": "\\ud800 alpha"}', "must be a string of text"),
         ('{"step": "scan", "step": "put", "content": "x"}', "repeats a field"),
         ('{"step": "delete", "target": "a", "version": 1, "expect": "duplicate"}',
          "an outcome it cannot have"),
         ('{"step": "put", "content": "x", "expect": "conflict"}', "an outcome it cannot have"),
         ('{"step": "put", "content": "x", "expect": "invalid_request"}', "cannot have"),
-        ('{"step": "put", "content": "x", "qOdd7Fh2LmX9": 1}', "a name that is not shown"),
+        ('{"step": "put", "content": "x", "qOdd7Fh2LmX9": 1}', "an unknown field (it"),
         ('{"step": "scan", "query": " \\t", "relevant": []}', "needs a query of 1 to"),
         ('{"step": "scan", "query": "' + "q" * 513 + '", "relevant": []}', "query_bytes"),
     ],
