@@ -33,6 +33,7 @@ import math
 import os
 import re
 import sqlite3
+import stat
 import string
 import sys
 import threading
@@ -1450,9 +1451,22 @@ def _plan_scan(
     return _ScanPlan(ScanResult(not cards, cards, reason), tuple(card[0] for card in kept))
 
 
-def _read_ids(ids: Iterable[int]) -> list[int]:
-    """The ids a read looks up: de-duplicated in input order, leaving out those no row can have."""
-    return [doc_id for doc_id in dict.fromkeys(ids) if _addressable(doc_id)]
+def _read_ids(ids: Iterable[int], limits: Limits) -> list[int]:
+    """The ids a read looks up: de-duplicated in input order, leaving out those no row can have.
+    A read names at most `_most_ids` ids (repeats count), checked before any is looked at."""
+    named = _check_id_count(list(itertools.islice(ids, _most_ids(limits) + 1)), limits)
+    return [doc_id for doc_id in dict.fromkeys(named) if _addressable(doc_id)]
+
+
+def _most_ids(limits: Limits) -> int:
+    """As many ids as the store can hold records, and never fewer than 1,024."""
+    return max(limits.records, 1024)
+
+
+def _check_id_count(ids: list[Any], limits: Limits) -> list[Any]:
+    if len(ids) > _most_ids(limits):
+        raise InvalidRequest(f"memory read names more than {_most_ids(limits)} ids")
+    return ids
 
 
 def _plan_read(wanted: Sequence[int], rows: Iterable[Record], now_ms: int) -> tuple[Record, ...]:
@@ -1676,6 +1690,7 @@ def _parse_request(arguments: Mapping[str, Any] | str, limits: Limits) -> _Reque
             ids = arguments["ids"]
             if not isinstance(ids, list):
                 raise InvalidRequest("memory read ids must be a list of integers")
+            ids = _check_id_count(ids, limits)
             return _Request("read", ids=tuple(_strict_int(doc_id, "read id") for doc_id in ids))
         case "put":
             content = arguments["content"]
@@ -1794,7 +1809,7 @@ def tool_definition(*, flat: bool = False, limits: Limits = _DEFAULT_LIMITS) -> 
     fields = {
         "query": {"type": "string", "minLength": 1, "maxLength": limits.query_bytes},
         "limit": {"type": "integer", "minimum": 1, "maximum": most, "default": most},
-        "ids": {"type": "array", "items": _ID_SCHEMA},
+        "ids": {"type": "array", "items": _ID_SCHEMA, "maxItems": _most_ids(limits)},
         "content": {"type": "string", "minLength": 1, "maxLength": limits.content_bytes},
         "replace": _KEY_SCHEMA,
         "id": _ID_SCHEMA,
@@ -3123,17 +3138,28 @@ def _file_identity(path: str) -> tuple[int, int] | None:
     return (status.st_dev, status.st_ino)
 
 
-def _prepare_file(path: str) -> None:
-    """Create a missing parent directory 0700 and a missing database file 0600."""
-    parent = os.path.dirname(os.path.abspath(path))
+def _readable_by_others(path: str) -> bool:
     try:
-        if not os.path.isdir(parent):
-            os.makedirs(parent, mode=0o700, exist_ok=True)
-            os.chmod(parent, 0o700)
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.close(descriptor)
-    except FileExistsError:
-        pass
+        return bool(os.stat(path).st_mode & (stat.S_IRGRP | stat.S_IROTH))
+    except OSError:
+        return False
+
+
+def _prepare_file(path: str) -> None:
+    """Create every missing directory on the way 0700 and a missing database file 0600,
+    whatever the umask; a dangling symlink gets its target created 0600."""
+    missing, parent = [], os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(parent) and parent != os.path.dirname(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        for directory in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # another process got there first
+                os.mkdir(directory, 0o700)
+                os.chmod(directory, 0o700)  # exactly 0700, not what the umask left of it
+        dangling = os.path.islink(path) and not os.path.exists(path)
+        with contextlib.suppress(FileExistsError):  # O_EXCL: an existing file is left alone
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | (0 if dangling else os.O_EXCL), 0o600))
     except OSError:
         raise StorageError("could not prepare the memory directory") from None
 
@@ -3214,7 +3240,7 @@ class Store:
 
     def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
         """Full records in input order, de-duplicated, missing ones omitted; marks them used."""
-        wanted, now = _read_ids(ids), _now_ms(now_ms)
+        wanted, now = _read_ids(ids, self.limits), _now_ms(now_ms)
         with self._transaction(prune_at=now) as connection:
             records = _plan_read(wanted, _records(connection, wanted), now)
             connection.executemany(
@@ -3271,12 +3297,13 @@ class Store:
             ).fetchall()
             (pages,) = connection.execute("PRAGMA page_count").fetchone()
             (page_size,) = connection.execute("PRAGMA page_size").fetchone()
-        sizes = {}
+        sizes, places = {}, (self.path, os.path.dirname(os.path.abspath(self.path)))
         for suffix in ("", "-journal", "-wal", "-shm"):  # the main file and its sidecars
             with contextlib.suppress(OSError):
                 sizes[suffix] = os.path.getsize(self.path + suffix)
         return {
             "path": self.path,
+            "readable_by_others": list(filter(_readable_by_others, places)),
             "records": len(rows),
             "hidden_records": sum(_hidden(content) for content, _, _ in rows),
             "probation_records": sum(until is not None for _, _, until in rows),
@@ -4007,11 +4034,17 @@ def _parse_key_argument(text: str) -> Key:
     return Key(int(match.group(1)), int(match.group(2)))
 
 
-def _read_stdin() -> str:
+def _read_stdin(limit: int) -> str:
+    """Standard input as the content of a put: at most `limit` bytes are read, and one more
+    byte means the content is too large (nothing beyond it is read)."""
     if sys.stdin is None:
         raise InvalidRequest("there is no standard input to read the content from")
+    stream = getattr(sys.stdin, "buffer", sys.stdin)  # bytes, unless stdin was replaced by text
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise ContentTooLarge(limit)
     try:
-        return sys.stdin.read()
+        return data if isinstance(data, str) else data.decode("utf-8")
     except UnicodeDecodeError:
         raise InvalidRequest("standard input is not valid UTF-8 text") from None
 
@@ -4022,7 +4055,7 @@ def _json(value: object) -> str:
     return json.dumps(value)
 
 
-def _tool_request(arguments: argparse.Namespace) -> dict[str, Any]:
+def _tool_request(arguments: argparse.Namespace, limits: Limits) -> dict[str, Any]:
     """The tool request a `scan`, `read`, `put` or `delete` command line stands for."""
     if arguments.command == "scan":
         limit = {} if arguments.limit is None else {"limit": arguments.limit}
@@ -4030,7 +4063,8 @@ def _tool_request(arguments: argparse.Namespace) -> dict[str, Any]:
     if arguments.command == "read":
         return {"operation": "read", "ids": arguments.ids}
     if arguments.command == "put":
-        content = _read_stdin() if arguments.content == "-" else arguments.content
+        given = arguments.content
+        content = _read_stdin(limits.content_bytes) if given == "-" else given
         replace = {} if arguments.replace is None else {"replace": attrs.asdict(arguments.replace)}
         return {"operation": "put", "content": content, **replace}
     return {"operation": "delete", **attrs.asdict(arguments.key)}
@@ -4069,7 +4103,7 @@ _ABSTENTIONS: Final = {
 def _operation_command(store: Backend, arguments: argparse.Namespace, _: Config | None) -> None:
     """`scan`, `read`, `put`, `delete`: checked as the tool checks them, the tool's answer
     with `--json`, else lines for a person. The person is trusted: no scan gate."""
-    request = _parse_request(_tool_request(arguments), store.limits)
+    request = _parse_request(_tool_request(arguments, store.limits), store.limits)
     now = _now_ms()
     value = _execute(store, request, now, getattr(arguments, "min_coverage", 0.0))
     for line in [_json(_answer(request, value))] if arguments.json else _human(request, value, now):
@@ -4108,6 +4142,8 @@ def _stats_command(store: Store, arguments: argparse.Namespace, config: Config |
     print(f"hidden         {stats['hidden_records']} (secret-shaped legacy rows)")
     for suffix, size in stats["file_bytes"].items():
         print(f"file{suffix or ' (main)':<11}{size} bytes")
+    for place in stats["readable_by_others"]:
+        print(f"tactmem: warning: {place} is readable by group or others", file=sys.stderr)
 
 
 def _browse_command(store: Backend, _: argparse.Namespace, config: Config | None) -> None:

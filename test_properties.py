@@ -1342,7 +1342,7 @@ class DictBackend:
         return plan.result
 
     def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
-        wanted, now = tactmem._read_ids(ids), tactmem._now_ms(now_ms)
+        wanted, now = tactmem._read_ids(ids, self.limits), tactmem._now_ms(now_ms)
         rows = self.pruned(now)
         records = tactmem._plan_read(wanted, (rows[i][0] for i in wanted if i in rows), now)
         rows.update((record.key.id, (record, rows[record.key.id][1])) for record in records)

@@ -753,6 +753,47 @@ def test_existing_directories_keep_their_mode(tmp_path: Path) -> None:
     assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755
 
 
+@pytest.mark.parametrize("umask", [0o000, 0o022])
+def test_every_directory_created_is_private_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    db = tmp_path / "a" / "b" / "c" / "memory.sqlite3"
+    old = os.umask(umask)
+    try:
+        Store(db).list()
+    finally:
+        os.umask(old)
+    for directory in (db.parent, db.parent.parent, db.parent.parent.parent):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    assert stat.S_IMODE(db.stat().st_mode) == 0o600
+
+
+def test_a_dangling_symlink_gets_a_private_file(tmp_path: Path) -> None:
+    link, target = tmp_path / "memory.sqlite3", tmp_path / "elsewhere.sqlite3"
+    link.symlink_to(target)
+    old = os.umask(0o022)
+    try:
+        Store(link).put("stored through a link")
+    finally:
+        os.umask(old)
+    assert link.is_symlink() and stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert [r.content for r in Store(target).list()] == ["stored through a link"]
+
+
+def test_stats_warns_when_others_can_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "private" / "memory.sqlite3"
+    status, out, err = run_cli(capsys, "--db", str(db), "stats")
+    assert status == 0 and err == ""
+    db.chmod(0o644)
+    db.parent.chmod(0o750)
+    status, out, err = run_cli(capsys, "--db", str(db), "stats")
+    assert status == 0 and "records" in out
+    assert err.splitlines() == [
+        f"tactmem: warning: {db} is readable by group or others",
+        f"tactmem: warning: {db.parent} is readable by group or others",
+    ]
+    status, out, err = run_cli(capsys, "--db", str(db), "--json", "stats")
+    assert json.loads(out)["readable_by_others"] == [str(db), str(db.parent)] and err == ""
+
+
 # ============================================================================ store: beyond §12
 
 
@@ -1209,7 +1250,7 @@ def test_plan_read_marks_the_visible_rows_used_in_request_order() -> None:
     secret = tactmem.Record(Key(3, 1), "token=abcdefghijklmnop", 0, 0, None, 0, None, 0, None)
     foreign = attrs.evolve(alpha, key=Key(4, 1), created_at_ms="yesterday")  # type: ignore[arg-type]
     worn = attrs.evolve(beta, key=Key(5, 1), use_count=2**63 - 1)
-    wanted = tactmem._read_ids([2, 2, 0, 9, 1, -3, 3, 4, 5, 2**70, 1])
+    wanted = tactmem._read_ids([2, 2, 0, 9, 1, -3, 3, 4, 5, 2**70, 1], Limits())
     assert wanted == [2, 9, 1, 3, 4, 5]
     records = tactmem._plan_read(wanted, [alpha, beta, secret, foreign, worn], 100)
 
@@ -2452,6 +2493,68 @@ def test_tool_command_refuses_a_line_too_long_and_goes_on(tmp_path: Path) -> Non
     )
     assert second["operation"] == "scan" and second["abstained"] is True
     assert Store(db).list() == ()
+
+
+def peak_memory_kib(argv: Sequence[str], stdin: Any) -> tuple[int, bytes, int]:
+    """Run `tactmem` with an address-space cap of 1 GiB (so a runaway read fails fast instead of
+    eating the machine); its exit status, stderr and peak resident memory from `wait4`."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tactmem", *argv], stdin=stdin, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, cwd=HERE, env=subprocess_env(), preexec_fn=cap,
+    )  # fmt: skip
+    assert child.stderr is not None
+    err = child.stderr.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    return child.returncode, err, usage.ru_maxrss
+
+
+def test_put_from_stdin_reads_at_most_the_bound(tmp_path: Path) -> None:
+    """Issue 13: `put -` reads the content bound plus one byte, then refuses: 50 MB on stdin,
+    or /dev/zero without end, costs no more memory than a short put."""
+    db = tmp_path / "memory.sqlite3"
+    short = tmp_path / "short.txt"
+    short.write_text("a short conclusion from stdin")
+    with short.open("rb") as stdin:
+        status, err, baseline = peak_memory_kib(["--db", str(db), "put", "-"], stdin)
+    assert (status, err) == (0, b"")
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"word " * 10_000_000)
+    sources = [big, Path("/dev/zero")] if Path("/dev/zero").exists() else [big]
+    for source in sources:
+        with source.open("rb") as stdin:
+            status, err, peak = peak_memory_kib(["--db", str(db), "put", "-"], stdin)
+        assert (status, err) == (1, b"tactmem: memory content exceeds the 1024-byte limit\n")
+        assert peak < baseline + 10_000, (source, peak, baseline)  # KiB; 50 MB would show
+    assert [r.content for r in Store(db).list()] == ["a short conclusion from stdin"]
+
+
+def test_a_read_names_at_most_the_record_bound(db: Path) -> None:
+    """Issue 13: more ids than a store can hold records (and at least 1,024) is refused before
+    any is looked at, from the API (even an endless iterator) and from the tool."""
+    store = Store(db, limits=TINY)
+    record = store.put("one record", now_ms=1)
+    def endless() -> Iterator[int]:
+        yield from range(1, 1026)
+        raise AssertionError("the read looked past the first id beyond the bound")
+
+    with pytest.raises(tactmem.InvalidRequest, match="more than 1024 ids"):
+        store.read(endless())
+    assert store.read([record.key.id] * 1024, now_ms=2)[0].use_count == 1
+    answer = MemoryTool(store, root=True).call({"operation": "read", "ids": ["not an id"] * 1025})
+    assert answer["error"] == {
+        "code": "invalid_request", "message": "memory read names more than 1024 ids"
+    }  # fmt: skip
+    big = Limits(records=2000)
+    ids = tool_definition(limits=big)["input_schema"]["oneOf"][1]["properties"]["ids"]
+    assert ids["maxItems"] == 2000
+    with pytest.raises(tactmem.InvalidRequest, match="more than 2000 ids"):
+        Store(db, limits=big).read([1] * 2001)
 
 
 def test_tool_command_child_refuses_mutation(tmp_path: Path) -> None:
