@@ -3158,8 +3158,9 @@ def _prepare_file(path: str) -> None:
                 os.mkdir(directory, 0o700)
                 os.chmod(directory, 0o700)  # exactly 0700, not what the umask left of it
         dangling = os.path.islink(path) and not os.path.exists(path)
-        with contextlib.suppress(FileExistsError):  # O_EXCL: an existing file is left alone
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | (0 if dangling else os.O_EXCL), 0o600))
+        only_new = 0 if dangling else os.O_EXCL  # an existing file is left alone
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | only_new, 0o600))
     except OSError:
         raise StorageError("could not prepare the memory directory") from None
 

@@ -778,7 +778,9 @@ def test_a_dangling_symlink_gets_a_private_file(tmp_path: Path) -> None:
     assert [r.content for r in Store(target).list()] == ["stored through a link"]
 
 
-def test_stats_warns_when_others_can_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_stats_warns_when_others_can_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     db = tmp_path / "private" / "memory.sqlite3"
     status, out, err = run_cli(capsys, "--db", str(db), "stats")
     assert status == 0 and err == ""
@@ -2539,6 +2541,7 @@ def test_a_read_names_at_most_the_record_bound(db: Path) -> None:
     any is looked at, from the API (even an endless iterator) and from the tool."""
     store = Store(db, limits=TINY)
     record = store.put("one record", now_ms=1)
+
     def endless() -> Iterator[int]:
         yield from range(1, 1026)
         raise AssertionError("the read looked past the first id beyond the bound")
