@@ -1334,15 +1334,19 @@ def _hidden(content: object) -> bool:
     return not isinstance(content, str) or find_secret(content) is not None
 
 
+# The metadata a shown row must hold as integers (besides its version), and as integers or NULL.
+_COUNT_FIELDS: Final = ("created_at_ms", "updated_at_ms", "scan_count", "use_count")
+_TIME_FIELDS: Final = ("last_scanned_at_ms", "last_used_at_ms", "probation_until_ms")
+
+
 def _shown(record: Record) -> bool:
     """Whether an agent or the browser may see a row: text that is not secret-shaped, and
     integer metadata (an older or foreign writer could have stored anything)."""
-    counts = (record.created_at_ms, record.updated_at_ms, record.scan_count, record.use_count)
-    times = (record.last_scanned_at_ms, record.last_used_at_ms, record.probation_until_ms)
     return (
         not _hidden(record.content)
-        and all(type(value) is int for value in counts)
-        and all(value is None or type(value) is int for value in times)
+        and type(record.key.version) is int
+        and all(type(getattr(record, name)) is int for name in _COUNT_FIELDS)
+        and all(type(getattr(record, name)) in (int, type(None)) for name in _TIME_FIELDS)
     )
 
 
@@ -1393,11 +1397,12 @@ def _check_replace(content_bytes: int, old_bytes: int, new_bytes: int, limits: L
         raise ContentCapacity(limits.total_content_bytes)
 
 
-def _check_version(expected: Key, current_version: int | None) -> int:
-    """A replace or delete must name the version the record has now; return that version."""
+def _check_version(expected: Key, current_version: object) -> int:
+    """A replace or delete must name the version the record has now; return that version.
+    A version that is not an integer (a foreign writer's) matches no key."""
     if current_version is None:
         raise NotFound()
-    if current_version != expected.version:
+    if type(current_version) is not int or current_version != expected.version:
         raise Conflict()
     return current_version
 
@@ -1522,11 +1527,11 @@ class _PutState(NamedTuple):
 
     rows: int
     content_bytes: int
-    next_id: int  # the allocator's next id: never one a row had before
+    next_id: object  # the allocator's next id, never one a row had before (an int if sound)
     duplicate_of: int | None  # the row holding the same normalized identity
-    target_version: int | None  # the row `replace` names, if it exists
+    target_version: object  # the row `replace` names, if it exists (None when none)
     target_bytes: int  # 0 when there is none
-    target_created_at_ms: int
+    target_created_at_ms: object  # an int, unless a foreign writer stored something else
 
 
 class _PutPlan(NamedTuple):
@@ -1544,8 +1549,10 @@ def _plan_put(put: _Put, state: _PutState, limits: Limits) -> _PutPlan:
         if state.duplicate_of is not None:
             raise Duplicate()
         _check_insert(state.rows, state.content_bytes, put.size, limits)
-        if state.next_id > _MAX_SQL_INT:
-            raise DatabaseCapacity()
+        if type(state.next_id) in (int, float) and state.next_id > _MAX_SQL_INT:  # type: ignore[operator]
+            raise DatabaseCapacity()  # SQLite made the id after the largest one a float
+        if type(state.next_id) is not int:  # a foreign writer's allocator: no id is safe
+            raise StorageError("the memory database's id allocator is not a whole number")
         key, created = Key(state.next_id, 1), put.now_ms
     else:
         version = _check_version(put.replace, state.target_version)
@@ -1554,7 +1561,8 @@ def _plan_put(put: _Put, state: _PutState, limits: Limits) -> _PutPlan:
         if state.duplicate_of not in (None, put.replace.id):
             raise Duplicate()
         _check_replace(state.content_bytes, state.target_bytes, put.size, limits)
-        key, created = Key(put.replace.id, version + 1), state.target_created_at_ms
+        old = state.target_created_at_ms  # a foreign writer's non-integer time is mended
+        key, created = Key(put.replace.id, version + 1), old if type(old) is int else put.now_ms
     probation = min(put.now_ms + limits.probation_ms, _MAX_SQL_INT)
     record = Record(key, put.content, created, put.now_ms, None, 0, None, 0, probation)
     return _PutPlan(record, insert=put.replace is None)
@@ -3054,6 +3062,11 @@ _SCHEMA: Final = (
         UPDATE memory_metadata SET next_id = NEW.id + 1 WHERE id = 1 AND next_id <= NEW.id;
     END""",
 )
+# An index an earlier tactmem build created; files it wrote still have it, and it is harmless.
+_OLD_PROBATION_INDEX: Final = (
+    "CREATE INDEX memories_probation ON memories (probation_until_ms)"
+    " WHERE probation_until_ms IS NOT NULL"
+)
 # The rows `_expired` may name: a deadline passed is necessary (NULL, text and blobs never are).
 _PRUNABLE: Final = (
     "SELECT id, use_count, probation_until_ms FROM memories WHERE probation_until_ms <= ?"
@@ -3067,20 +3080,29 @@ _PUT_READS: Final = (
     "SELECT version, COALESCE(length(CAST(content AS BLOB)), 0), created_at_ms FROM memories"
     " WHERE id = ?",
 )
+# What ranking reads: the content only of rows whose metadata `_shown` would accept (NULL,
+# which `_hidden` hides, for the rest), so a scan never offers a card a read would not return.
+_CORPUS_ROWS: Final = "SELECT id, version, CASE WHEN {} THEN content END FROM memories".format(
+    " AND ".join(
+        [f"typeof({name}) = 'integer'" for name in ("version", *_COUNT_FIELDS)]
+        + [f"typeof({name}) IN ('integer', 'null')" for name in _TIME_FIELDS]
+    )
+)
 _RECORD_COLUMNS: Final = (
     "id, version, content, created_at_ms, updated_at_ms, last_scanned_at_ms, scan_count,"
     " last_used_at_ms, use_count, probation_until_ms"
 )
 # A `_PutPlan` written: an insert leaves the telemetry columns at their defaults (the fresh
-# telemetry `_plan_put` gives every record); an update sets every column that can change.
+# telemetry `_plan_put` gives every record); an update sets every column but the id (the
+# creation time too, which `_plan_put` keeps, or mends when a foreign writer broke it).
 _INSERT: Final = (
     "INSERT INTO memories (id, version, content, normalized_identity, created_at_ms,"
     " updated_at_ms, probation_until_ms) VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 _UPDATE: Final = (
-    "UPDATE memories SET version = ?, content = ?, normalized_identity = ?, updated_at_ms = ?,"
-    " last_scanned_at_ms = ?, scan_count = ?, last_used_at_ms = ?, use_count = ?,"
-    " probation_until_ms = ? WHERE id = ?"
+    "UPDATE memories SET version = ?, content = ?, normalized_identity = ?, created_at_ms = ?,"
+    " updated_at_ms = ?, last_scanned_at_ms = ?, scan_count = ?, last_used_at_ms = ?,"
+    " use_count = ?, probation_until_ms = ? WHERE id = ?"
 )
 _SQL_CHUNK: Final = 500  # ids bound per `IN (...)`, under every SQLite variable limit
 
@@ -3173,6 +3195,50 @@ def _schema_version(connection: sqlite3.Connection) -> int:
     return int(found)
 
 
+def _text(data: bytes) -> str | bytes:
+    """TEXT as `str`; bytes that are not UTF-8 (a foreign writer's) stay bytes, which
+    `_hidden` hides, instead of failing the whole query."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return data
+
+
+def _schema_objects(connection: sqlite3.Connection) -> set[tuple[str, str, object]]:
+    """Every schema object as `(type, name, SQL with runs of whitespace made one space)`."""
+    rows = connection.execute("SELECT type, name, sql FROM sqlite_schema")
+    return {
+        (kind, name, " ".join(sql.split()) if isinstance(sql, str) else sql)
+        for kind, name, sql in rows
+    }
+
+
+@functools.cache
+def _known_objects() -> frozenset[tuple[str, str, object]]:
+    """The schema objects tactmem and Tact create (the same text, whitespace aside), as SQLite
+    itself records them: `_SCHEMA` run on an empty in-memory database, and the old index."""
+    connection = sqlite3.connect(":memory:")
+    try:
+        for statement in (*_SCHEMA, _OLD_PROBATION_INDEX):
+            connection.execute(statement)
+        return frozenset(_schema_objects(connection))
+    finally:
+        connection.close()
+
+
+def _check_objects(connection: sqlite3.Connection) -> None:
+    """Refuse a file holding any schema object tactmem did not create: a trigger or view would
+    run on tactmem's own writes, a changed table breaks its rules, and a file with another
+    application's tables is not a memory store. Statistics tables from `ANALYZE` are harmless."""
+    for kind, name, _ in _schema_objects(connection) - _known_objects():
+        if kind != "table" or not name.startswith("sqlite_stat"):
+            kind = kind if kind in ("table", "index", "view", "trigger") else "schema object"
+            raise StorageError(
+                f"the memory database file holds a {kind} tactmem did not create;"
+                " it was left as it was"
+            )
+
+
 def _records(connection: sqlite3.Connection, ids: Sequence[int]) -> Iterator[Record]:
     for start in range(0, len(ids), _SQL_CHUNK):
         chunk = ids[start : start + _SQL_CHUNK]
@@ -3196,6 +3262,7 @@ class Store:
         self._corpus = _Corpus()
         self._file: tuple[int, int] | None = None
         self._data_version = -1
+        self._schema_cookie = -1  # `PRAGMA schema_version` when the objects were last checked
         self._stale = True
 
     def __repr__(self) -> str:
@@ -3260,15 +3327,15 @@ class Store:
             rows, size, next_id = connection.execute(totals).fetchone()
             (same,) = connection.execute(duplicate, (put.identity,)).fetchone() or (None,)
             old = connection.execute(replaced, target).fetchone() if target else None
-            state = _PutState(rows, size, int(next_id), same, *(old or (None, 0, 0)))
+            state = _PutState(rows, size, next_id, same, *(old or (None, 0, 0)))
             plan = _plan_put(put, state, self.limits)
             new = plan.record
             common = (new.key.version, new.content, put.identity)
             if plan.insert:
                 times = (new.created_at_ms, new.updated_at_ms, new.probation_until_ms)
                 connection.execute(_INSERT, (new.key.id, *common, *times))
-            else:  # updated_at_ms, then the telemetry: every field from the fourth on
-                changed = attrs.astuple(new, recurse=False)[3:]
+            else:  # the times, then the telemetry: every field from the third on
+                changed = attrs.astuple(new, recurse=False)[2:]
                 connection.execute(_UPDATE, (*common, *changed, new.key.id))
             self._stale = True
         return plan.record
@@ -3294,7 +3361,8 @@ class Store:
         """Usage against every bound (for `tactmem stats`); prunes like `list`."""
         with self._transaction(prune_at=_now_ms(now_ms)) as connection:
             rows = connection.execute(
-                "SELECT content, length(CAST(content AS BLOB)), probation_until_ms FROM memories"
+                f"SELECT COALESCE(length(CAST(content AS BLOB)), 0), {_RECORD_COLUMNS}"
+                " FROM memories"
             ).fetchall()
             (pages,) = connection.execute("PRAGMA page_count").fetchone()
             (page_size,) = connection.execute("PRAGMA page_size").fetchone()
@@ -3306,9 +3374,9 @@ class Store:
             "path": self.path,
             "readable_by_others": list(filter(_readable_by_others, places)),
             "records": len(rows),
-            "hidden_records": sum(_hidden(content) for content, _, _ in rows),
-            "probation_records": sum(until is not None for _, _, until in rows),
-            "content_bytes": sum(size for _, size, _ in rows),
+            "hidden_records": sum(not _shown(Record.from_row(row[1:])) for row in rows),
+            "probation_records": sum(row[-1] is not None for row in rows),
+            "content_bytes": sum(row[0] for row in rows),
             "database_bytes": pages * page_size,
             "file_bytes": sizes,
             "limits": attrs.asdict(self.limits),
@@ -3325,7 +3393,7 @@ class Store:
                 connection = self._connect()
                 _begin_immediate(connection)
                 try:
-                    _schema_version(connection)  # another process may have upgraded the file
+                    self._check_file(connection)  # another process may have changed the file
                     if prune_at is not None:
                         self._prune(connection, prune_at)
                     yield connection
@@ -3349,15 +3417,17 @@ class Store:
         connection = sqlite3.connect(
             self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
         )
+        connection.text_factory = _text
         try:
-            _schema_version(connection)  # before anything writes: a refused file stays as it was
+            connection.execute("PRAGMA trusted_schema = OFF")
+            self._check_file(connection)  # before anything writes: a refused file stays as it was
             connection.execute("PRAGMA journal_mode = DELETE")
             connection.execute(f"PRAGMA page_size = {_PAGE_SIZE_BYTES}")
             (page_size,) = connection.execute("PRAGMA page_size").fetchone()
             connection.execute(f"PRAGMA max_page_count = {_max_pages(self.limits, page_size)}")
             connection.execute("PRAGMA secure_delete = ON")
             _begin_immediate(connection)
-            found = _schema_version(connection)  # another process may have got there first
+            found = self._check_file(connection)  # another process may have got there first
             for statement in _SCHEMA:
                 connection.execute(statement)
             if found == 0:
@@ -3371,6 +3441,16 @@ class Store:
         self._stale = True
         return connection
 
+    def _check_file(self, connection: sqlite3.Connection) -> int:
+        """The file's `user_version` (see `_schema_version`), its schema objects checked again
+        whenever they changed since the last look."""
+        found = _schema_version(connection)
+        (cookie,) = connection.execute("PRAGMA schema_version").fetchone()
+        if cookie != self._schema_cookie:
+            _check_objects(connection)
+            self._schema_cookie = cookie
+        return found
+
     def _prune(self, connection: sqlite3.Connection, now_ms: int) -> None:
         rows = connection.execute(_PRUNABLE, (now_ms,)).fetchall()
         expired = [(doc_id,) for doc_id, uses, until in rows if _expired(uses, until, now_ms)]
@@ -3383,9 +3463,7 @@ class Store:
         (data_version,) = connection.execute("PRAGMA data_version").fetchone()
         if not self._stale and data_version == self._data_version:
             return
-        self._corpus.update(
-            connection.execute("SELECT id, version, content FROM memories").fetchall()
-        )
+        self._corpus.update(connection.execute(_CORPUS_ROWS).fetchall())
         self._data_version = data_version
         self._stale = False
 
@@ -4140,7 +4218,7 @@ def _stats_command(store: Store, arguments: argparse.Namespace, config: Config |
     print(f"content bytes  {stats['content_bytes']} of {limits['total_content_bytes']}")
     print(f"database bytes {stats['database_bytes']} of {limits['database_bytes']}")
     print(f"on probation   {stats['probation_records']}")
-    print(f"hidden         {stats['hidden_records']} (secret-shaped legacy rows)")
+    print(f"hidden         {stats['hidden_records']} (secret-shaped or malformed rows)")
     for suffix, size in stats["file_bytes"].items():
         print(f"file{suffix or ' (main)':<11}{size} bytes")
     for place in stats["readable_by_others"]:

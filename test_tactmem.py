@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -3979,18 +3980,22 @@ def corrupt(db: Path) -> None:
 
 
 def full_page_budget(db: Path) -> None:
-    """A valid store whose file fills the default 4 MiB budget, its record pages nearly full."""
+    """A valid store whose file fills the default 4 MiB budget: a few records whose normalized
+    identities a foreign writer made huge (the content bounds count only content), its pages
+    packed until SQLite itself refuses one more row."""
     with Store(db) as store:
         for i in range(3):
             store.put(f"{i} " + "w" * 1000)
     with raw(db) as connection:
         connection.execute("PRAGMA max_page_count = 1024")
-        connection.execute("CREATE TABLE ballast (data BLOB)")
-        (pages,) = connection.execute("PRAGMA page_count").fetchone()
-        connection.execute("INSERT INTO ballast VALUES (zeroblob(?))", ((1024 - pages - 8) * 4000,))
-        with contextlib.suppress(sqlite3.OperationalError):  # SQLITE_FULL ends the filling
-            while True:
-                connection.execute("INSERT INTO ballast VALUES (zeroblob(3000))")
+        insert = (
+            "INSERT INTO memories (content, normalized_identity, created_at_ms, updated_at_ms)"
+            " VALUES ('ballast', ?, 0, 0)"
+        )
+        for size in (3000, 300, 30):
+            with contextlib.suppress(sqlite3.OperationalError):  # SQLITE_FULL ends each size
+                for i in itertools.count():
+                    connection.execute(insert, (f"ballast {size} {i} " + "x" * size,))
         assert connection.execute("PRAGMA page_count").fetchone()[0] >= 1022
 
 
@@ -4045,6 +4050,197 @@ def test_faults_are_clear_errors_that_change_nothing(
     assert (db.read_bytes() if db.is_file() else None) == before
     if before is None:
         assert db.is_dir() and list(db.iterdir()) == []  # the directory is left as it was
+
+
+# ------------------------------------------------------------------------ hostile files (issue 13)
+
+
+def a_store_file(db: Path) -> None:
+    with Store(db) as store:
+        for text in ("rust sqlite first", "rust sqlite second", "python network third"):
+            store.put(text, now_ms=1)
+
+
+def planted(*statements: str, fresh: bool = False) -> Callable[[Path], None]:
+    """A file prepared by tactmem (unless `fresh`), then changed by another program."""
+
+    def prepare(db: Path) -> None:
+        if not fresh:
+            a_store_file(db)
+        with contextlib.closing(raw(db)) as connection:  # closed: a WAL file is checkpointed
+            for statement in statements:
+                connection.execute(statement)
+
+    return prepare
+
+
+SHADOW_COLUMNS = (
+    "id INTEGER PRIMARY KEY, content TEXT, normalized_identity TEXT, created_at_ms INTEGER,"
+    " updated_at_ms INTEGER, last_scanned_at_ms INTEGER, scan_count INTEGER DEFAULT 0,"
+    " last_used_at_ms INTEGER, use_count INTEGER DEFAULT 0, probation_until_ms INTEGER,"
+    " version INTEGER DEFAULT 1"
+)
+HOSTILE_FILES = {
+    # the attack pass's trigger: every scan's telemetry update doubles the rows
+    "trigger on memories": planted(
+        "CREATE TRIGGER grow AFTER UPDATE ON memories BEGIN INSERT INTO memories (content,"
+        " normalized_identity, created_at_ms, updated_at_ms) SELECT 'planted ' || id || random(),"
+        " 'planted ' || id || random(), 0, 0 FROM memories; END"
+    ),
+    "trigger on the allocator": planted(
+        "CREATE TRIGGER steal AFTER UPDATE ON memory_metadata BEGIN"
+        " DELETE FROM memories WHERE id = 1; END"
+    ),
+    # a view named memories whose INSTEAD OF trigger swallows every write
+    "view as memories": planted(
+        f"CREATE TABLE shadow ({SHADOW_COLUMNS})",
+        "CREATE VIEW memories AS SELECT * FROM shadow",
+        "CREATE TRIGGER swallow INSTEAD OF INSERT ON memories BEGIN SELECT 1; END",
+        "PRAGMA user_version = 1",
+        fresh=True,
+    ),
+    "changed column": planted("ALTER TABLE memories ADD COLUMN note TEXT"),
+    "text ids": planted(
+        "CREATE TABLE memories ({})".format(
+            SHADOW_COLUMNS.replace("INTEGER PRIMARY", "TEXT PRIMARY")
+        ),
+        "PRAGMA user_version = 1",
+        fresh=True,
+    ),
+    "index on content": planted("CREATE INDEX planted ON memories (content)"),
+    "another table": planted("CREATE TABLE notes (body TEXT)"),
+    # another application's database: user_version 0, its own tables, WAL
+    "foreign application": planted(
+        "PRAGMA journal_mode = WAL",
+        "CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)",
+        "INSERT INTO customers (name) VALUES ('Ada'), ('Grace')",
+        fresh=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("prepare", HOSTILE_FILES.values(), ids=HOSTILE_FILES.keys())
+def test_a_file_with_objects_tactmem_did_not_create_is_refused_untouched(
+    db: Path, prepare: Callable[[Path], None]
+) -> None:
+    """Issue 13: a trigger, view, changed table, planted index or another application's
+    tables: every operation is one StorageError naming the kind of object, and the file (its
+    schema, rows, user_version and journal mode) stays byte for byte as it was."""
+    db.parent.mkdir(exist_ok=True)
+    prepare(db)
+    before = db.read_bytes()
+    message = "the memory database file holds a "
+    store = Store(db)
+    for operation in (
+        store.list,
+        lambda: store.scan("rust sqlite"),
+        lambda: store.read([1, 2]),
+        lambda: store.put("a new conclusion"),
+        lambda: store.delete(Key(1, 1)),
+        store._stats,
+    ):
+        with pytest.raises(StorageError, match=message) as caught:
+            operation()
+        assert str(caught.value).endswith("tactmem did not create; it was left as it was")
+    for argv in (["list"], ["scan", "rust sqlite"], ["put", "another conclusion"], ["stats"]):
+        assert_one_line_refusal(cli("--db", str(db), *argv), message)
+    tool = run_tactmem("--db", str(db), "tool", stdin=json_lines(
+        {"operation": "scan", "query": "rust"}, {"operation": "read", "ids": [1]}
+    ))  # fmt: skip
+    assert tool.returncode == 0 and tool.stderr == b""
+    for line in tool.stdout.splitlines():
+        assert json.loads(line)["error"]["code"] == "storage_error"
+    assert db.read_bytes() == before
+    assert sorted(p.name for p in db.parent.iterdir()) == [db.name]
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "CREATE INDEX memories_probation ON memories (probation_until_ms)"
+        " WHERE probation_until_ms IS NOT NULL",
+        "ANALYZE",
+    ],
+    ids=["an earlier tactmem's probation index", "ANALYZE statistics"],
+)
+def test_objects_tactmem_or_sqlite_made_are_accepted(db: Path, statement: str) -> None:
+    planted(statement)(db)
+    with Store(db) as store:
+        assert [c.key.id for c in store.scan("rust sqlite", now_ms=2).candidates] == [1, 2]
+        assert store.put("one more conclusion", now_ms=2).key == Key(4, 1)
+
+
+def test_the_store_does_not_trust_the_schema(db: Path) -> None:
+    """`trusted_schema` off: functions with side effects cannot run from a file's schema."""
+    with Store(db) as store:
+        store.list()
+        assert store._connection is not None
+        assert store._connection.execute("PRAGMA trusted_schema").fetchone() == (0,)
+
+
+def malformed_rows(db: Path) -> None:
+    """A valid schema whose rows a foreign writer filled with values of the wrong type: SQLite
+    keeps them (its columns are not STRICT) and every CHECK passes."""
+    with Store(db) as store:
+        for i in range(1, 8):
+            store.put(f"record {i} about rust sqlite")
+    with raw(db) as connection:
+        for statement in (
+            "UPDATE memories SET content = X'00ff10' WHERE id = 1",  # a BLOB
+            # text that is not UTF-8
+            "UPDATE memories SET content = CAST(X'c328612072757374' AS TEXT) WHERE id = 2",
+            "UPDATE memories SET version = X'01' WHERE id = 3",
+            "UPDATE memories SET created_at_ms = 'yesterday' WHERE id = 4",
+            "UPDATE memories SET scan_count = 1.5 WHERE id = 5",
+            "UPDATE memories SET version = 2.5 WHERE id = 6",
+            "UPDATE memory_metadata SET next_id = 'many'",
+        ):
+            connection.execute(statement)
+
+
+def test_rows_of_the_wrong_type_are_hidden_never_a_traceback(db: Path) -> None:
+    """Issue 13: every command and the tool hide malformed rows like secret-shaped ones; a
+    replace of one is a conflict (its version is no integer an agent could name) or mends a
+    foreign time; a put with a broken allocator is one clear error."""
+    db.parent.mkdir(exist_ok=True)
+    malformed_rows(db)
+    sound = ["record 7 about rust sqlite"]
+    listed = json.loads(cli("--db", str(db), "--json", "list").stdout)
+    assert [m["content"] for m in listed["memories"]] == sound
+    scanned = json.loads(cli("--db", str(db), "--json", "scan", "rust sqlite").stdout)
+    assert [c["key"]["id"] for c in scanned["candidates"]] == [7]
+    read = json.loads(cli("--db", str(db), "--json", "read", *map(str, range(1, 8))).stdout)
+    assert [m["content"] for m in read["memories"]] == sound
+    stats = json.loads(cli("--db", str(db), "--json", "stats").stdout)
+    assert (stats["records"], stats["hidden_records"]) == (7, 6)
+    assert "hidden         6" in cli("--db", str(db), "stats").stdout
+    assert_one_line_refusal(
+        cli("--db", str(db), "put", "new text", "--replace", "3@1"),
+        "memory changed since it was read",
+    )
+    assert_one_line_refusal(cli("--db", str(db), "delete", "6@2"), "memory changed since")
+    assert_one_line_refusal(
+        cli("--db", str(db), "put", "a new conclusion"),
+        "the memory database's id allocator is not a whole number",
+    )
+    mended = cli("--db", str(db), "--json", "put", "record four, replaced", "--replace", "4@1")
+    memory = json.loads(mended.stdout)["memory"]
+    assert memory["key"] == {"id": 4, "version": 2}
+    assert memory["created_at_ms"] == memory["updated_at_ms"]
+    requests = [
+        {"operation": "scan", "query": "rust sqlite"},
+        {"operation": "read", "ids": [1, 2, 3, 4, 5, 6, 7]},
+        {"operation": "put", "content": "x", "replace": {"id": 1, "version": 1}},
+        {"operation": "delete", "id": 2, "version": 1},
+    ]
+    tool = run_tactmem("--db", str(db), "tool", stdin=json_lines(*requests))
+    assert tool.returncode == 0 and tool.stderr == b""
+    answers = [json.loads(line) for line in tool.stdout.splitlines()]
+    assert len(answers) == len(requests)
+    for answer in answers:
+        assert_output_shape(answer)
+    assert [m["key"]["id"] for m in answers[1]["memories"]] == [4, 7]
+    assert answers[3] == {"operation": "delete", "id": 2}  # a hidden row can still be deleted
 
 
 @contextlib.contextmanager
