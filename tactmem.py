@@ -52,7 +52,8 @@ __version__ = "0.1.0"
 
 __all__ = [  # sorted; each is documented in the README
     "Backend", "Candidate", "Config", "ConfigError", "Conflict", "ContentCapacity",
-    "ContentTooLarge", "DatabaseCapacity", "Duplicate", "EmptyContent", "InvalidRequest", "Key",
+    "ContentTooLarge", "DatabaseCapacity", "DiskFull", "Duplicate", "EmptyContent",
+    "InvalidRequest", "Key",
     "Limits", "MEMORY_INSTRUCTIONS", "MEMORY_REVIEW_CHECKPOINT", "MemoryTool", "NotFound",
     "NotRoot", "QueryTooLarge", "RECOMMENDED_MIN_COVERAGE", "Record", "RecordCapacity",
     "ReviewCheckpoint", "ScanRequired",
@@ -520,6 +521,13 @@ class StoreBusy(TactmemError):
 class StorageError(TactmemError):
     code = "storage_error"
     message = "memory storage operation failed"
+
+
+class DiskFull(StorageError):
+    """The file system ran out of room before the store reached its own page budget."""
+
+    code = "disk_full"
+    message = "the disk holding the memory database is full"
 
 
 class NotRoot(TactmemError):
@@ -3404,7 +3412,20 @@ class Store:
                         connection.execute("ROLLBACK")
                     raise
             except sqlite3.Error as error:
-                raise _storage_error(error) from None
+                failure = _storage_error(error)
+                if isinstance(failure, DatabaseCapacity) and self._disk_is_tighter():
+                    failure = DiskFull()
+                raise failure from None
+
+    def _disk_is_tighter(self) -> bool:
+        """Whether the file system has less room than the page budget still allows: then it,
+        not the budget, is what SQLITE_FULL ran into."""
+        try:
+            room = os.statvfs(os.path.dirname(os.path.abspath(self.path)))
+            allowed = self.limits.database_bytes - os.path.getsize(self.path)
+        except OSError:
+            return False
+        return room.f_bavail * room.f_frsize < allowed
 
     def _connect(self) -> sqlite3.Connection:
         """The open connection, or a new one if there is none or the file was replaced."""

@@ -52,6 +52,7 @@ from tactmem import (
     ContentCapacity,
     ContentTooLarge,
     DatabaseCapacity,
+    DiskFull,
     Duplicate,
     EmptyContent,
     Key,
@@ -4275,6 +4276,46 @@ def read_only_directory() -> Iterator[tuple[Path, Callable[[], None]]]:
         for path in directory.iterdir():
             path.chmod(0o644)
         shutil.rmtree(directory)
+
+
+@contextlib.contextmanager
+def small_disk(size: str) -> Iterator[Path]:
+    """A directory on a file system of `size` (a tmpfs; mounting needs root)."""
+    directory = Path(tempfile.mkdtemp(prefix="tactmem-disk-"))
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        directory.rmdir()
+        pytest.skip("mounting a small file system needs root with mount privileges")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], capture_output=True)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_full_disk_is_not_the_page_budget() -> None:
+    """Issue 13: on a 96 KiB file system the disk fills long before the 4 MiB budget; the put
+    that does not fit is `disk_full` (not `database_capacity`), changes nothing, and the store
+    goes on serving reads and deletes."""
+    with small_disk("96k") as directory:
+        db = directory / "memory.sqlite3"
+        store, stored = Store(db), []
+        with pytest.raises(DiskFull) as caught:
+            for i in range(200):
+                before = db.read_bytes() if db.exists() else b""
+                stored.append(store.put(f"conclusion {i} " + "about the disk " * 50).key)
+        assert caught.value.code == "disk_full" and 3 < len(stored) < 200
+        assert isinstance(caught.value, StorageError)
+        assert db.read_bytes() == before
+        assert [r.key for r in store.list()] == stored
+        assert_one_line_refusal(
+            cli("--db", str(db), "put", "one more " + "about the disk " * 50),
+            "the disk holding the memory database is full",
+        )
+        store.delete(stored[-1])
+        store.close()
+        with raw(db) as connection:
+            assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
 
 def test_read_only_directory_is_a_clear_error() -> None:
