@@ -22,6 +22,7 @@ Profiles: `ci` (derandomized, no deadline) is loaded when the CI environment var
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import json
@@ -1693,3 +1694,137 @@ def test_main_never_raises_for_any_argv(argv: list[str]) -> None:
                 assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
                 (rows,) = connection.execute("SELECT COUNT(*) FROM memories").fetchone()
             assert rows <= 512
+
+
+# ------------------------------------------------------------------------ hostile files (issue 13)
+
+MEMORY_COLUMNS = (
+    "content", "normalized_identity", "created_at_ms", "updated_at_ms", "last_scanned_at_ms",
+    "scan_count", "last_used_at_ms", "use_count", "probation_until_ms", "version",
+)  # fmt: skip
+SQL_VALUES = st.one_of(
+    st.none(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=40),
+    st.binary(max_size=40),
+    st.sampled_from([b"\xc3\x28", b"\xed\xa0\x80"]).map(lambda b: ("not utf-8", b)),
+)
+# Objects another program could plant; any one of them makes the file one to refuse untouched.
+PLANTS = (
+    "CREATE TRIGGER planted AFTER UPDATE ON memories BEGIN INSERT INTO memories (content,"
+    " normalized_identity, created_at_ms, updated_at_ms) SELECT 'p' || random(), 'p' || random(),"
+    " 0, 0 FROM memories; END",
+    "CREATE TRIGGER planted AFTER INSERT ON memories BEGIN DELETE FROM memories; END",
+    "CREATE TRIGGER planted BEFORE UPDATE ON memory_metadata BEGIN SELECT 1; END",
+    "CREATE VIEW planted AS SELECT * FROM memories",
+    "CREATE INDEX planted ON memories (content)",
+    "ALTER TABLE memories ADD COLUMN planted TEXT",
+    "CREATE TABLE planted (x)",
+)
+
+
+@st.composite
+def hostile_files(draw: st.DrawFn) -> tuple[list[tuple[int, str, Any]], Any, str | None, int]:
+    """Row damage `(id, column, value)`, a damaged allocator, a planted object, user_version."""
+    damage = draw(
+        st.lists(st.tuples(st.integers(1, 4), st.sampled_from(MEMORY_COLUMNS), SQL_VALUES),
+                 max_size=6)
+    )  # fmt: skip
+    allocator = draw(st.one_of(st.just(None), SQL_VALUES))
+    plant = draw(st.one_of(st.just(None), st.just(None), st.sampled_from(PLANTS)))
+    version = draw(st.sampled_from([1, 1, 1, 0, 2]))
+    return damage, allocator, plant, version
+
+
+def damage_file(path: Path, file: tuple[list[tuple[int, str, Any]], Any, str | None, int]) -> None:
+    damage, allocator, plant, version = file
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as connection:
+        # a ("not utf-8", bytes) value is bytes SQLite will hold as TEXT that is not UTF-8
+        changes = [(f"memories SET {column}", value, doc_id) for doc_id, column, value in damage]
+        if allocator is not None:
+            changes.append(("memory_metadata SET next_id", allocator, 1))
+        for change, value, doc_id in changes:
+            cast = "CAST(? AS TEXT)" if isinstance(value, tuple) else "?"
+            with contextlib.suppress(sqlite3.IntegrityError):  # NOT NULL, CHECK, UNIQUE
+                connection.execute(
+                    f"UPDATE {change} = {cast} WHERE id = ?",
+                    (value[1] if isinstance(value, tuple) else value, doc_id),
+                )
+        if plant is not None:
+            connection.execute(plant)
+        connection.execute(f"PRAGMA user_version = {version}")
+
+
+HOSTILE_CALLS = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {"operation": st.just("scan"), "query": st.sampled_from(["rust", "sqlite x"])}
+        ),
+        st.fixed_dictionaries(
+            {"operation": st.just("read"), "ids": st.lists(st.integers(1, 6), max_size=5)}
+        ),
+        st.fixed_dictionaries(
+            {"operation": st.just("put"), "content": st.sampled_from(["fresh one", "rust"])}
+        ),
+        st.fixed_dictionaries({
+            "operation": st.just("put"), "content": st.sampled_from(["mended", "rust again"]),
+            "replace": st.fixed_dictionaries(
+                {"id": st.integers(1, 5), "version": st.integers(1, 2)}
+            ),
+        }),
+        st.fixed_dictionaries(
+            {"operation": st.just("delete"), "id": st.integers(1, 5), "version": st.integers(1, 2)}
+        ),
+    ),
+    min_size=1,
+    max_size=8,
+)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(file=hostile_files(), calls=HOSTILE_CALLS)
+def test_hostile_files_are_refused_untouched_or_served_safely(
+    file: tuple[list[tuple[int, str, Any]], Any, str | None, int], calls: list[dict[str, Any]]
+) -> None:
+    """A store file damaged the ways another program could (wrong-typed values in any column,
+    a broken allocator, a planted trigger, view, index, column or table, another user_version):
+    `Store` and the tool never raise anything but a `TactmemError`, every answer is valid
+    output, a planted object or an unsupported version leaves the file byte for byte as it was,
+    and otherwise the store keeps its bounds and SQLite finds the file sound."""
+    _, _, plant, version = file
+    limits = Limits(records=6, total_content_bytes=2000)
+    with fast_tmp() as directory:
+        path = Path(directory) / "memory.sqlite3"
+        with Store(path, limits=limits) as store:
+            for text in ("rust sqlite one", "rust sqlite two", "sqlite three", "rust four"):
+                store.put(text)
+        damage_file(path, file)
+        before = path.read_bytes()
+        refused = plant is not None or version == 2
+        with Store(path, limits=limits) as store:
+            tool = MemoryTool(store, root=True)
+            for request in [{"operation": "scan", "query": "rust"}, *calls]:
+                answer = tool.call(request)
+                OUTPUT_SCHEMA.validate(answer)
+                json.dumps(answer)
+                if refused:
+                    refusals = ("storage_error", "unsupported_schema", "scan_required")
+                    assert answer["error"]["code"] in refusals
+                event("answer: " + answer.get("error", {}).get("code", answer.get("operation", "")))
+            for operation in (store.list, store._stats):
+                if refused:
+                    with pytest.raises((tactmem.StorageError, tactmem.UnsupportedSchema)):
+                        operation()
+                else:
+                    json.dumps(tactmem._to_json(operation()))
+            if not refused:
+                assert all(map(tactmem._shown, store.list()))
+                event(f"rows hidden: {store._stats()['hidden_records'] > 0}")
+        if refused:
+            assert path.read_bytes() == before
+            return
+        with contextlib.closing(sqlite3.connect(path)) as connection:
+            assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+            (rows,) = connection.execute("SELECT COUNT(*) FROM memories").fetchone()
+        assert rows <= limits.records
