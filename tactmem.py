@@ -133,6 +133,16 @@ _ASSIGNED_VALUE: Final = re.compile(f"[{_WS}]*[:=][{_WS}]*[^{_WS}]")
 # bounded, so no text costs more than a few milliseconds. `_NOT_GLUED`: not glued to a preceding
 # word or token character. "(ai)" patterns ignore ASCII case: they are written in lower case.
 _NOT_GLUED: Final = "(?<![A-Za-z0-9_])"
+# Nouns that, after a password, key or token word, name another thing (`password manager`,
+# `password policy`, `token store`, `key rotation`): what follows tells that thing, not a secret.
+_ABOUT: Final = (
+    r"(?![ \t-]+(?:manager|policy|policies|vault|store|safe|reset|rotation|expiry|expiration|"
+    r"length|hash|hashing|requirements?|rules?|complexity|strength|field|prompt|hint|generator|"
+    r"history|changes?|format)\b)"
+)
+# Scripts written without spaces (CJK punctuation, kana, Hangul, Han, full-width forms), where a
+# value told in ASCII ends at the next character of the sentence.
+_CJK: Final = "\u3000-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uff00-\uffef"
 _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str | None], ...]] = (
     # -- key blocks: a PEM or PGP private-key header inside a line (or before armor lines such
     #    as `Proc-Type: 4,ENCRYPTED`) followed by key material; a PGP one alone on its line;
@@ -199,24 +209,29 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
      r"jdbc:oracle:[a-z]{1,16}:[a-z0-9_$#]{1,64}/([^@\s]{1,200})@", _AI, "value"),
     ("password_url", ("://:",), False, r"://:([^@/\s]{3,})@", 0, "value"),
     # -- a password or key told in prose: `the password is Autumn2022$`, `the account key for
-    #    X is <base64>`, `login is admin / Autumn2022$`; the value must look chosen, not a word
+    #    X is <base64>`, `login is admin / Autumn2022$`; the value must look chosen, not a word,
+    #    and the word must not begin another noun (`_ABOUT`: `the password manager is 1Password`)
     ("prose_credential", ("pass", "kennwort", "contrase", "senha", "wachtwoord"), True,
      r"\b(?:pass(?:word|phrase|code|wort)?|kennwort|contrase(?:\u00f1|n)a|mot de passe|"
-     r"senha|wachtwoord)\b"
+     r"senha|wachtwoord)\b" + _ABOUT +
      r"(?:[^\n.;!?]{0,40}?(?:[ \t](?:is|are|was|now|to|es|ist|lautet|est|\u00e9|\u00e8)|:|=))?"
      r"[ \t]+(?:[^\s/]{1,40}(?:[ \t]*/|[ \t]+and)[ \t]*)?[\"'`]?([^\s\"'`]{8,})", _AI, "chosen"),
-    # other scripts and Swedish: パスワード, пароль, 비밀번호, 密码, lösenord
+    # other scripts and Swedish: パスワード, пароль, 비밀번호, 密码, lösenord, not a password
+    # manager or policy (マネージャー, 管理, ポリシー, 策略, 관리, 정책); a value told in a
+    # script without spaces ends where that script begins again (`パスワードは12文字以上`)
     ("prose_credential", ("\u30d1\u30b9\u30ef\u30fc\u30c9", "\u043f\u0430\u0440\u043e\u043b\u044c",
                           "\u041f\u0430\u0440\u043e\u043b\u044c", "\ube44\ubc00\ubc88\ud638",
                           "\u5bc6\u7801", "\u5bc6\u78bc", "l\u00f6senord", "L\u00f6senord"), False,
      r"(?:\u30d1\u30b9\u30ef\u30fc\u30c9|[\u041f\u043f]\u0430\u0440\u043e\u043b\u044c|"
-     r"\ube44\ubc00\ubc88\ud638|\u5bc6[\u7801\u78bc]|[Ll]\u00f6senord(?:et)?)[^\n.;!?\u3002]{0,30}?"
-     r"(?:\u306f|\ub294|\u662f|\u4e3a|:|\uff1a|[ \t]\u00e4r)[ \t]*[\"'`]?([^\s\"'`]{8,})", 0,
-     "chosen"),
+     r"\ube44\ubc00\ubc88\ud638|\u5bc6[\u7801\u78bc]|[Ll]\u00f6senord(?:et)?)"
+     r"(?![ \t]?(?:\u30de\u30cd\u30fc\u30b8\u30e3|\u7ba1\u7406|\u30dd\u30ea\u30b7\u30fc|"
+     r"\u7b56\u7565|\uad00\ub9ac|\uc815\ucc45))[^\n.;!?\u3002]{0,30}?"
+     r"(?:\u306f|\ub294|\u662f|\u4e3a|:|\uff1a|[ \t]\u00e4r)[ \t]*[\"'`\u300c\u300e]?"
+     r"([^\s\"'`" + _CJK + r"]{8,})", 0, "chosen"),
     ("prose_credential", ("secret", "key", "token", "pass", "login", "credential"), True,
      r"\b(?:secret|(?:api|access|account|app|auth|client|license|secret|private|signing)[ _-]?"
      r"(?:key|secret|token|password)|token|login|credentials?)"
-     r"\b(?:[^\n.;!?]{0,40}?(?:[ \t]is|[ \t]are|[ \t]was|:|=))?[ \t]+"
+     r"\b" + _ABOUT + r"(?:[^\n.;!?]{0,40}?(?:[ \t]is|[ \t]are|[ \t]was|:|=))?[ \t]+"
      r"(?:[^\s/]{1,40}[ \t]*/[ \t]*)?"
      r"[\"'`]?([^\s\"'`]{8,})", _AI, "strong"),
     # -- command lines
