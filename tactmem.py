@@ -126,9 +126,10 @@ _ASSIGNED_VALUE: Final = re.compile(f"[{_WS}]*[:=][{_WS}]*[^{_WS}]")
 # text, the pattern, and what its last group must be (`_SHAPE_CHECKS`): "random" — a digit, or
 # both cases, so `xapp-frontend-service` is a name and `xapp-1-A0B1C2D3` a token; "value" — not
 # a placeholder such as `$PASSWORD`, `<your-token>`, `xxxx`, `sk_live_...` or `redacted`;
-# "word" — both, in one word; "flag" — a word that is not a path; "chosen" and "strong" — a
-# value a person chose (`_chosen_value`, `_strong_value`); "env", "env_tail", "env_pair" and
-# "env_random" — a credential name and its value (`_env_name`); None — the match is enough).
+# "word" — both, in one word; "flag" — a word that is not a path; "chosen", "short" and
+# "strong" — a value a person chose (`_chosen_value`, `_short_value`, `_strong_value`); "env",
+# "env_tail", "env_pair" and "env_random" — a credential name and its value (`_env_name`);
+# None — the match is enough).
 # A pattern is compiled the first time one of its literals is seen; every run it repeats is
 # bounded, so no text costs more than a few milliseconds. `_NOT_GLUED`: not glued to a preceding
 # word or token character. "(ai)" patterns ignore ASCII case: they are written in lower case.
@@ -140,6 +141,8 @@ _ABOUT: Final = (
     r"length|hash|hashing|requirements?|rules?|complexity|strength|field|prompt|hint|generator|"
     r"history|changes?|format)\b)"
 )
+# Closing quotes and the spaces French sets inside guillemets: a told value ends at them.
+_QUOTES_CLOSING: Final = "\u00bb\u201c\u201d\u2019\u00a0\u202f"
 # Scripts written without spaces (CJK punctuation, kana, Hangul, Han, full-width forms), where a
 # value told in ASCII ends at the next character of the sentence.
 _CJK: Final = "\u3000-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uff00-\uffef"
@@ -211,11 +214,21 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
     # -- a password or key told in prose: `the password is Autumn2022$`, `the account key for
     #    X is <base64>`, `login is admin / Autumn2022$`; the value must look chosen, not a word,
     #    and the word must not begin another noun (`_ABOUT`: `the password manager is 1Password`)
-    ("prose_credential", ("pass", "kennwort", "contrase", "senha", "wachtwoord"), True,
-     r"\b(?:pass(?:word|phrase|code|wort)?|kennwort|contrase(?:\u00f1|n)a|mot de passe|"
+    #    (`pw` too; the value may stand in quotes or guillemets: `est « Passw0rd!23 »`)
+    ("prose_credential", ("pass", "pw", "kennwort", "contrase", "senha", "wachtwoord"), True,
+     r"\b(?:pass(?:word|phrase|code|wort)?|pw|kennwort|contrase(?:\u00f1|n)a|mot de passe|"
      r"senha|wachtwoord)\b" + _ABOUT +
      r"(?:[^\n.;!?]{0,40}?(?:[ \t](?:is|are|was|now|to|es|ist|lautet|est|\u00e9|\u00e8)|:|=))?"
-     r"[ \t]+(?:[^\s/]{1,40}(?:[ \t]*/|[ \t]+and)[ \t]*)?[\"'`]?([^\s\"'`]{8,})", _AI, "chosen"),
+     r"[ \t]+(?:[^\s/]{1,40}(?:[ \t]*/|[ \t]+and)[ \t]*)?"
+     r"[\"'`\u00ab\u201c\u201e\u2018]?[ \u00a0\u202f]?([^\s\"'`" + _QUOTES_CLOSING + r"]{8,})",
+     _AI, "chosen"),
+    # a password word labelling, with `:` or `=`, a value of six or seven characters that ends
+    # the line and mixes letters with digits or symbols (`Wi-Fi passphrase for the lab:
+    # hunter2`); told with `is`, eight are needed (`the password is hunter2` passes)
+    ("prose_credential", ("pass", "pw", "kennwort", "contrase", "senha", "wachtwoord"), True,
+     r"\b(?:password|passphrase|passcode|passwort|pw|kennwort|contrase(?:\u00f1|n)a|mot de passe|"
+     r"senha|wachtwoord)\b" + _ABOUT + r"[^\n.;!?:=]{0,40}?[:=][ \t]*[\"'`]?"
+     r"([^\s\"'`]{6,7})[\"'`.!]?[ \t]*\r?$", _AI | re.MULTILINE, "short"),
     # other scripts and Swedish: パスワード, пароль, 비밀번호, 密码, lösenord, not a password
     # manager or policy (マネージャー, 管理, ポリシー, 策略, 관리, 정책); a value told in a
     # script without spaces ends where that script begins again (`パスワードは12文字以上`)
@@ -1002,15 +1015,24 @@ _EMAIL: Final = r"[^@\s]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+|[a-z0-9._-]+@[a-z0-9
 _ARGUMENT: Final = r"[a-z_]{2,}\w*=|[A-Za-z_]\w*=[\w.-]*$"
 
 
-def _told(value: str) -> str | None:
+def _told(value: str, shortest: int = 8) -> str | None:
     """A value told in prose without its closing punctuation, or None where it cannot be a
-    secret: under eight characters, a placeholder, a URL, an address or an argument."""
+    secret: under `shortest` characters, a placeholder, a URL, an address or an argument."""
     value = value.strip(".,;:)]}\"'`")
-    if len(value) < 8 or not _real_value(value) or "://" in value:
+    if len(value) < shortest or not _real_value(value) or "://" in value:
         return None
-    return (
-        None if _shape(_EMAIL, 0).fullmatch(value) or _shape(_ARGUMENT, 0).match(value) else value
-    )
+    return None if _shape(_EMAIL, 0).fullmatch(value) or _argument(value) else value
+
+
+def _argument(value: str) -> bool:
+    """`name=value` setting an option (`bcrypt=12`, `kid=2024-05-rsa`, `ENV=staging`), not a
+    generated value behind a few letters and `=` (`rufn=qSkfn8QQeqUdGkg`): what follows the
+    first `=` lacks a digit or a change of case."""
+    if not _shape(_ARGUMENT, 0).match(value):
+        return False
+    setting = value.partition("=")[2]
+    mixed = setting.lower() != setting != setting.upper()
+    return not (mixed and any(char.isdigit() for char in setting))
 
 
 def _chosen_value(value: str) -> bool:
@@ -1027,10 +1049,7 @@ def _flag_value(value: str) -> bool:
     """A command-line credential flag's value: token-like, not a path (`~/.ssh/key2`), not an
     argument list (`docker build --secret id=npmrc2,src=.npmrc`)."""
     return (
-        _random_value(value)
-        and "/" not in value
-        and value[0] not in "~."
-        and not _shape(_ARGUMENT, 0).match(value)
+        _random_value(value) and "/" not in value and value[0] not in "~." and not _argument(value)
     )
 
 
@@ -1045,6 +1064,17 @@ def _strong_value(value: str) -> bool:
     changes = sum(1 for before, after in itertools.pairwise(cases) if before != after)
     digits = sum(char.isdigit() for char in told)
     return bool(cases) and (not _SYMBOLS.isdisjoint(told) or (digits >= 2 and changes >= 4))
+
+
+def _short_value(value: str) -> bool:
+    """After a password word's label: a told value of six characters or more with a letter and
+    a digit or a symbol (`hunter2`, not `123456` or `changed`)."""
+    told = _told(value, 6)
+    return (
+        told is not None
+        and any(char.isalpha() for char in told)
+        and (any(char.isdigit() for char in told) or not _SYMBOLS.isdisjoint(told))
+    )
 
 
 def _random_value(value: str) -> bool:
@@ -1116,6 +1146,7 @@ _SHAPE_CHECKS: Final[dict[str, Callable[[re.Match[str], str], bool]]] = {
     "chosen": lambda match, text: (
         _chosen_value(_last_group(match, text)) and not text.startswith("PASS", match.start())
     ),
+    "short": lambda match, text: _short_value(_last_group(match, text)),
     "flag": lambda match, text: _flag_value(_last_group(match, text)),
     "env": lambda match, text: _env_name(_group(match, text, 1), _group(match, text, 2)),
     "env_tail": _env_tail,
