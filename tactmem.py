@@ -211,6 +211,21 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
     ("connection_password", ("jdbc:oracle",), True,
      r"jdbc:oracle:[a-z]{1,16}:[a-z0-9_$#]{1,64}/([^@\s]{1,200})@", _AI, "value"),
     ("password_url", ("://:",), False, r"://:([^@/\s]{3,})@", 0, "value"),
+    # a Kubernetes registry Secret's `.dockerconfigjson` (or older `.dockercfg`) in base64,
+    # whose decoded config holds an `auth`, a `password` or an identity token (`_registry_auth`)
+    ("docker_config", (".dockerconfigjson", ".dockercfg"), False,
+     r"\.docker(?:configjson|cfg)[\"']?[ \t]*:[ \t]*[\"']?([A-Za-z0-9+/]{16,}={0,2})", 0,
+     "docker_auth"),
+    # a Terraform or Packer variable named like a credential, with a quoted default
+    ("terraform_variable", ("variable",), True,
+     r"\bvariable[ \t]+\"([a-z0-9_-]{1,64})\"[ \t]*\{[^{}]{0,400}?\bdefault[ \t]*=[ \t]*"
+     r"\"([^\"\n]{4,})\"", _AI, "env"),
+    # a `.pgpass` line, `host:port:database:user:password`, found from its `:port:` (or `:*:`);
+    # the host before it is checked in code (`_pgpass_host`); the password (`\:` escapes a
+    # colon) must look random, since `file:line:level:logger:Message` logs share the shape
+    ("pgpass_password", (":",), False,
+     r":(?:\d{1,5}|\*):[^:\s]{1,63}:[^:\s]{1,63}:((?:[^\s:\\]|\\.){4,200})(?![^\s\"'])", 0,
+     "pgpass"),
     # -- a password or key told in prose: `the password is Autumn2022$`, `the account key for
     #    X is <base64>`, `login is admin / Autumn2022$`; the value must look chosen, not a word,
     #    and the word must not begin another noun (`_ABOUT`: `the password manager is 1Password`)
@@ -1077,6 +1092,38 @@ def _short_value(value: str) -> bool:
     )
 
 
+_REGISTRY_AUTH: Final = r"\"(?:auth|password|identitytoken)\"\s*:\s*\"([^\"]{4,})\""
+
+
+def _registry_auth(value: str) -> bool:
+    """A Docker config in base64 (a whole number of its 4-character groups is decoded) whose
+    registries hold an `auth`, a `password` or an identity token that is not a placeholder;
+    `{"auths": {}}` and `{"credsStore": "desktop"}` hold none."""
+    import binascii  # only a registry Secret needs it
+
+    config = binascii.a2b_base64(value[: len(value) // 4 * 4]).decode("utf-8", "replace")
+    return any(_real_value(found.group(1)) for found in _shape(_REGISTRY_AUTH, 0).finditer(config))
+
+
+_HOST_ENDS: Final = frozenset(" \t\r\n\"':")
+
+
+def _pgpass_host(match: re.Match[str], text: str) -> bool:
+    """`pgpass_password`: the field before the port is a whole first field (after the start, a
+    space or a quote, not after another `:`) that can name a host (`*`, or a letter or a dot:
+    `10:30:00:15:abc1` is a time), and the password looks random."""
+    start = end = match.start()
+    while start > 0 and end - start <= 253 and text[start - 1] not in _HOST_ENDS:
+        start -= 1
+    host = text[start:end]
+    return (
+        0 < len(host) <= 253
+        and (start == 0 or text[start - 1] != ":")
+        and (host == "*" or any(char.isalpha() or char == "." for char in host))
+        and _random_value(_last_group(match, text))
+    )
+
+
 def _random_value(value: str) -> bool:
     """A token-like value: random-looking past its first character (`Negotiate` is a word),
     one word, and not a placeholder."""
@@ -1150,6 +1197,8 @@ _SHAPE_CHECKS: Final[dict[str, Callable[[re.Match[str], str], bool]]] = {
     "flag": lambda match, text: _flag_value(_last_group(match, text)),
     "env": lambda match, text: _env_name(_group(match, text, 1), _group(match, text, 2)),
     "env_tail": _env_tail,
+    "docker_auth": lambda match, text: _registry_auth(_last_group(match, text)),
+    "pgpass": _pgpass_host,
     "gcp_key": lambda _, text: _shape(_GCP_KEY_FIELD, 0).search(text) is not None,
     # a quoted pair may be two names in a list (`["password", "api_key"]`): the value looks random
     "env_random": lambda match, text: (
