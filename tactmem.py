@@ -126,8 +126,8 @@ _ASSIGNED_VALUE: Final = re.compile(f"[{_WS}]*[:=][{_WS}]*[^{_WS}]")
 # text, the pattern, and what its last group must be (`_SHAPE_CHECKS`): "random" — a digit, or
 # both cases, so `xapp-frontend-service` is a name and `xapp-1-A0B1C2D3` a token; "value" — not
 # a placeholder such as `$PASSWORD`, `<your-token>`, `xxxx`, `sk_live_...` or `redacted`;
-# "word" — both, in one word; "flag" — a word that is not a path; "chosen", "short" and
-# "strong" — a value a person chose (`_chosen_value`, `_short_value`, `_strong_value`); "env",
+# "word" — both, in one word; "flag" — a word that is not a path; "chosen", "labelled"
+# and "strong" — a value a person chose (`_chosen_value`, `_labelled`, `_strong_value`); "env",
 # "env_tail", "env_pair" and "env_random" — a credential name and its value (`_env_name`);
 # None — the match is enough).
 # A pattern is compiled the first time one of its literals is seen; every run it repeats is
@@ -141,6 +141,10 @@ _ABOUT: Final = (
     r"length|hash|hashing|requirements?|rules?|complexity|strength|field|prompt|hint|generator|"
     r"history|changes?|format)\b)"
 )
+# The password words of the prose rows (`pw` only before a space, `:` or `=`: not `upwards`).
+_PASSWORD_LITERALS: Final = (
+    "pass", "pw ", "pw\t", "pw:", "pw=", "kennwort", "contrase", "senha", "wachtwoord",
+)  # fmt: skip
 # Closing quotes and the spaces French sets inside guillemets: a told value ends at them.
 _QUOTES_CLOSING: Final = "\u00bb\u201c\u201d\u2019\u00a0\u202f"
 # Scripts written without spaces (CJK punctuation, kana, Hangul, Han, full-width forms), where a
@@ -230,20 +234,18 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
     #    X is <base64>`, `login is admin / Autumn2022$`; the value must look chosen, not a word,
     #    and the word must not begin another noun (`_ABOUT`: `the password manager is 1Password`)
     #    (`pw` too; the value may stand in quotes or guillemets: `est « Passw0rd!23 »`)
-    ("prose_credential", ("pass", "pw", "kennwort", "contrase", "senha", "wachtwoord"), True,
-     r"\b(?:pass(?:word|phrase|code|wort)?|pw|kennwort|contrase(?:\u00f1|n)a|mot de passe|"
-     r"senha|wachtwoord)\b" + _ABOUT +
+    ("prose_credential", _PASSWORD_LITERALS, True,
+     r"\b(?:pass(?:word|phrase|code|wort)?|pw(?=[ \t:=])|kennwort|contrase(?:\u00f1|n)a|"
+     r"mot de passe|senha|wachtwoord)\b" + _ABOUT +
      r"(?:[^\n.;!?]{0,40}?(?:[ \t](?:is|are|was|now|to|es|ist|lautet|est|\u00e9|\u00e8)|:|=))?"
      r"[ \t]+(?:[^\s/]{1,40}(?:[ \t]*/|[ \t]+and)[ \t]*)?"
      r"[\"'`\u00ab\u201c\u201e\u2018]?[ \u00a0\u202f]?([^\s\"'`" + _QUOTES_CLOSING + r"]{8,})",
      _AI, "chosen"),
-    # a password word labelling, with `:` or `=`, a value of six or seven characters that ends
-    # the line and mixes letters with digits or symbols (`Wi-Fi passphrase for the lab:
-    # hunter2`); told with `is`, eight are needed (`the password is hunter2` passes)
-    ("prose_credential", ("pass", "pw", "kennwort", "contrase", "senha", "wachtwoord"), True,
-     r"\b(?:password|passphrase|passcode|passwort|pw|kennwort|contrase(?:\u00f1|n)a|mot de passe|"
-     r"senha|wachtwoord)\b" + _ABOUT + r"[^\n.;!?:=]{0,40}?[:=][ \t]*[\"'`]?"
-     r"([^\s\"'`]{6,7})[\"'`.!]?[ \t]*\r?$", _AI | re.MULTILINE, "short"),
+    # a label, `:` or `=`, giving a value of six or seven characters that ends the line and
+    # mixes letters with digits or symbols, after a password word (`_PASSWORD_LABEL`, looked
+    # for in code): `Wi-Fi passphrase for the lab: hunter2`; told with `is`, eight are needed
+    ("prose_credential", _PASSWORD_LITERALS, True,
+     r"[:=][ \t]*[\"'`]?([^\s\"'`]{6,7})[\"'`.!]?[ \t]*\r?$", _AI | re.MULTILINE, "labelled"),
     # other scripts and Swedish: パスワード, пароль, 비밀번호, 密码, lösenord, not a password
     # manager or policy (マネージャー, 管理, ポリシー, 策略, 관리, 정책); a value told in a
     # script without spaces ends where that script begins again (`パスワードは12文字以上`)
@@ -1081,6 +1083,21 @@ def _strong_value(value: str) -> bool:
     return bool(cases) and (not _SYMBOLS.isdisjoint(told) or (digits >= 2 and changes >= 4))
 
 
+# A password word (not `pass` alone: `pass: 12/12`) and the clause before a label, at its end.
+_PASSWORD_LABEL: Final = (
+    r"\b(?:password|passphrase|passcode|passwort|pw(?=[ \t:=])|kennwort|contrase(?:\u00f1|n)a|"
+    r"mot de passe|senha|wachtwoord)\b" + _ABOUT + r"[^\n.;!?:=]{0,40}$"
+)
+
+
+def _labelled(match: re.Match[str], text: str) -> bool:
+    """The short prose row: a password word before the label, within 64 characters on its
+    line, and a short value (`_short_value`)."""
+    start = max(text.rfind("\n", 0, match.start()) + 1, match.start() - 64)
+    word = _shape(_PASSWORD_LABEL, 0).search(_folded(text), start, match.start())
+    return word is not None and _short_value(_last_group(match, text))
+
+
 def _short_value(value: str) -> bool:
     """After a password word's label: a told value of six characters or more with a letter and
     a digit or a symbol (`hunter2`, not `123456` or `changed`)."""
@@ -1193,7 +1210,7 @@ _SHAPE_CHECKS: Final[dict[str, Callable[[re.Match[str], str], bool]]] = {
     "chosen": lambda match, text: (
         _chosen_value(_last_group(match, text)) and not text.startswith("PASS", match.start())
     ),
-    "short": lambda match, text: _short_value(_last_group(match, text)),
+    "labelled": _labelled,
     "flag": lambda match, text: _flag_value(_last_group(match, text)),
     "env": lambda match, text: _env_name(_group(match, text, 1), _group(match, text, 2)),
     "env_tail": _env_tail,
