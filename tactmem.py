@@ -313,6 +313,12 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
      r"[\"']?[ \t]{0,16}(?::[ \t]*|(?<=[ \t])(?=[\"'])|"
      r"(?<=[ \t])(?=(?:[a-z][a-z0-9-]{1,15}[ \t]+)?[^\s;\"']{8,};))[\"']?"  # nginx: `NAME VALUE;`
      r"(?:[a-z][a-z0-9-]{1,15}[ \t]+)?([a-z0-9+/=._~-]{8,})", _AI, "word"),
+    # a session cookie with a random value, on a line that names cookies (`Cookie:`,
+    # `Set-Cookie:`, `--cookie`, `document.cookie`, `cookies={...}`) or is a `curl -b`
+    # (`_cookie_line`): `connect.sid=s%3A…`, `_app_session=…--…`, `PHPSESSID=`, `"sessionid": …`
+    ("session_cookie", ("sess", "sid=", "sid\"", "sid'"), True,
+     r"(?:sess[a-z0-9_.-]{0,20}|sid)(?:=|[\"'][ \t]*:[ \t]*)[\"']?([^\s;,\"'&]{16,})", _AI,
+     "cookie"),
     ("jwt_in_text", ("eyJ",), False,
      r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}", 0,
      None),
@@ -1141,6 +1147,15 @@ def _pgpass_host(match: re.Match[str], text: str) -> bool:
     )
 
 
+def _cookie_line(match: re.Match[str], text: str) -> bool:
+    """`session_cookie`: the line before the cookie names cookies or is a `curl` with `-b`
+    (a session id in a log line is a correlation id), and the value looks random."""
+    line = _folded(text)[text.rfind("\n", 0, match.start()) + 1 : match.start()]
+    return ("cookie" in line or ("curl" in line and " -b" in line)) and _random_value(
+        _last_group(match, text)
+    )
+
+
 def _random_value(value: str) -> bool:
     """A token-like value: random-looking past its first character (`Negotiate` is a word),
     one word, and not a placeholder."""
@@ -1216,6 +1231,7 @@ _SHAPE_CHECKS: Final[dict[str, Callable[[re.Match[str], str], bool]]] = {
     "env_tail": _env_tail,
     "docker_auth": lambda match, text: _registry_auth(_last_group(match, text)),
     "pgpass": _pgpass_host,
+    "cookie": _cookie_line,
     "gcp_key": lambda _, text: _shape(_GCP_KEY_FIELD, 0).search(text) is not None,
     # a quoted pair may be two names in a list (`["password", "api_key"]`): the value looks random
     "env_random": lambda match, text: (
@@ -1233,6 +1249,7 @@ _NEEDS: Final = {
     "quoted_credential": "\"'",
     "env_credential": ":=\"'",
     "credential_header": ":\"';",
+    "session_cookie": "=:",
     "connection_password": "=:",
     "credential_assignment": ":=",  # `_ASSIGNED_VALUE` needs one
     "sdk_client_key": "\"'",
