@@ -266,6 +266,9 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
      r"[\"'`]?([^\s\"'`]{8,})", _AI, "strong"),
     # -- command lines
     ("cli_password", ("--pass",), True, r"--pass(?:word|wd)?[ \t]+([^\s]{3,})", _AI, "value"),
+    # the Terraform CLI's token for a host in the environment: `TF_TOKEN_app_terraform_io=…`
+    ("terraform_token", ("tf_token_",), True,
+     r"\btf_token_[a-z0-9_-]{1,100}[ \t]*[:=][ \t]*[\"']?([^\s\"']{8,})", _AI, "word"),
     ("cli_password", ("-pass", "storepass", "keypass", "srcpass", "destpass", "newpass"), True,
      r"[ \t]-(?:src|dest|new)?(?:store|key)?pass[ \t]+([^\s]{3,})", _AI, "value"),
     ("cli_password", ("login", "auth"), True,
@@ -337,6 +340,9 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
     ("azure_client_secret", ("Q~",), False,
      r"(?<![A-Za-z0-9_~.-])[A-Za-z0-9_~.-]{3}\dQ~([A-Za-z0-9_~.-]{31,34})(?![A-Za-z0-9_~.-])", 0,
      "random"),
+    # a 1Password service-account token (`ops_` and a base64 JSON)
+    ("onepassword_secret", ("ops_eyJ",), False,
+     _NOT_GLUED + r"ops_eyJ[A-Za-z0-9+/]{250,}={0,3}", 0, None),
     # Grafana Cloud and Sentry tokens, whose bodies hold `+`, `/` or `=`
     ("saas_token", ("glc_", "sntrys_", "sntryu_"), False,
      _NOT_GLUED + r"(?:glc_[A-Za-z0-9+/]{32,}|sntry[su]_[A-Za-z0-9+/=_-]{40,})", 0, "random"),
@@ -395,6 +401,9 @@ _TOKEN_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str | Non
     ("mailchimp_key", tuple(f"-us{digit}" for digit in range(1, 10)), False,
      _NOT_GLUED + r"[0-9a-f]{32}-us[1-9]\d?(?![0-9])", 0, None),
     ("mailgun_key", ("key-",), False, _NOT_GLUED + r"key-[0-9a-f]{32}(?![0-9a-f])", 0, None),
+    # Mailgun's newer private keys, 32 hex then 8 and 8, on a line that names Mailgun
+    ("mailgun_key", ("mailgun",), True,
+     r"(?<![0-9a-z])[0-9a-f]{32}-[0-9a-f]{8}-[0-9a-f]{8}(?![0-9a-z])", _AI, "mailgun"),
     ("shopify_token", ("shpat_", "shpss_", "shpca_", "shppa_"), False,
      _NOT_GLUED + r"shp(?:at|ss|ca|pa)_[0-9a-fA-F]{32}", 0, None),
     ("digitalocean_token", ("_v1_",), False, _NOT_GLUED + r"do[opr]_v1_[0-9a-f]{64}", 0, None),
@@ -402,12 +411,21 @@ _TOKEN_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str | Non
     ("square_token", ("sq0atp-", "sq0csp-"), False,
      _NOT_GLUED + r"sq0(?:atp|csp)-([0-9A-Za-z_-]{22,})", 0, "random"),
     ("square_token", ("EAAA",), False, _NOT_GLUED + r"EAAA([A-Za-z0-9_-]{60,})", 0, "random"),
+    # a 1Password account's Secret Key: `A3-`, the account's six characters, then 26 in groups
+    ("onepassword_secret", ("A3-",), False,
+     r"(?<![A-Za-z0-9-])A3-([A-Z0-9]{6}-[A-Z0-9]{6}(?:-[A-Z0-9]{5}){4})(?![A-Za-z0-9-])", 0,
+     "random"),
+    # a Terraform Cloud (HCP Terraform) or Enterprise API token: 14 characters, `.atlasv1.`
+    ("terraform_token", (".atlasv1.",), False,
+     _NOT_GLUED + r"[A-Za-z0-9]{14}\.atlasv1\.([A-Za-z0-9_-]{60,})", 0, "random"),
     # SaaS API tokens with a documented prefix, one provider per row (the body must look random)
     # Grafana service account
     ("saas_token", ("glsa_",), False,
      _NOT_GLUED + r"glsa_[A-Za-z0-9]{32}_[0-9a-f]{8}", 0, "random"),
-    # Linear
+    # Linear API keys, OAuth access and refresh tokens
     ("saas_token", ("lin_api_",), False, _NOT_GLUED + r"lin_api_[A-Za-z0-9]{40}", 0, "random"),
+    ("saas_token", ("lin_oauth_", "lin_refresh_"), False,
+     _NOT_GLUED + r"lin_(?:oauth|refresh)_([A-Za-z0-9]{32,})", 0, "random"),
     # Vault service and batch tokens
     ("saas_token", ("hvs.",), False, _NOT_GLUED + r"hvs\.[A-Za-z0-9_-]{24,}", 0, "random"),
     ("saas_token", ("hvb.",), False, _NOT_GLUED + r"hvb\.[A-Za-z0-9_-]{24,}", 0, "random"),
@@ -432,6 +450,9 @@ _TOKEN_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str | Non
     ("saas_token", ("NRAK-",), False, _NOT_GLUED + r"NRAK-[A-Z0-9]{27}", 0, "random"),
     ("saas_token", ("NRJS-",), False, _NOT_GLUED + r"NRJS-[0-9a-f]{19}", 0, "random"),
     ("saas_token", ("NRAL",), False, _NOT_GLUED + r"[0-9a-f]{36}NRAL", 0, "random"),
+    # New Relic Insights insert and query keys
+    ("saas_token", ("NRII-", "NRIQ-"), False, _NOT_GLUED + r"NRI[IQ]-([A-Za-z0-9_-]{32})", 0,
+     "random"),
     # Doppler
     ("saas_token", ("dp.",), False,
      _NOT_GLUED + r"dp\.(?:pt|st|sa|ct|scim|audit)\.[A-Za-z0-9]{40,}", 0, "random"),
@@ -1147,6 +1168,12 @@ def _pgpass_host(match: re.Match[str], text: str) -> bool:
     )
 
 
+def _line_around(match: re.Match[str], text: str) -> str:
+    """The lowercased line (or lines) a match lies on."""
+    end = text.find("\n", match.end())
+    return _folded(text)[text.rfind("\n", 0, match.start()) + 1 : end if end >= 0 else None]
+
+
 def _cookie_line(match: re.Match[str], text: str) -> bool:
     """`session_cookie`: the line before the cookie names cookies or is a `curl` with `-b`
     (a session id in a log line is a correlation id), and the value looks random."""
@@ -1232,6 +1259,7 @@ _SHAPE_CHECKS: Final[dict[str, Callable[[re.Match[str], str], bool]]] = {
     "docker_auth": lambda match, text: _registry_auth(_last_group(match, text)),
     "pgpass": _pgpass_host,
     "cookie": _cookie_line,
+    "mailgun": lambda match, text: "mailgun" in _line_around(match, text),
     "gcp_key": lambda _, text: _shape(_GCP_KEY_FIELD, 0).search(text) is not None,
     # a quoted pair may be two names in a list (`["password", "api_key"]`): the value looks random
     "env_random": lambda match, text: (

@@ -349,6 +349,7 @@ NEW_KINDS = (
     "saas_token", "jwt_in_text", "gcp_service_account", "env_credential", "putty_private_key",
     "xml_credential", "prose_credential", "sdk_client_key", "azure_client_secret",
     "quoted_password", "docker_config", "terraform_variable", "pgpass_password", "session_cookie",
+    "onepassword_secret", "terraform_token",
 )  # fmt: skip
 
 
