@@ -143,7 +143,7 @@ _ABOUT: Final = (
 )
 # The password words of the prose rows (`pw` only before a space, `:` or `=`: not `upwards`).
 _PASSWORD_LITERALS: Final = (
-    "pass", "pw ", "pw\t", "pw:", "pw=", "kennwort", "contrase", "senha", "wachtwoord",
+    "pass", "pw ", "pw:", "pw=", "kennwort", "contrase", "senha", "wachtwoord",
 )  # fmt: skip
 # Closing quotes and the spaces French sets inside guillemets: a told value ends at them.
 _QUOTES_CLOSING: Final = "\u00bb\u201c\u201d\u2019\u00a0\u202f"
@@ -217,7 +217,7 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
     ("password_url", ("://:",), False, r"://:([^@/\s]{3,})@", 0, "value"),
     # a Kubernetes registry Secret's `.dockerconfigjson` (or older `.dockercfg`) in base64,
     # whose decoded config holds an `auth`, a `password` or an identity token (`_registry_auth`)
-    ("docker_config", (".dockerconfigjson", ".dockercfg"), False,
+    ("docker_config", (".docker",), False,
      r"\.docker(?:configjson|cfg)[\"']?[ \t]*:[ \t]*[\"']?([A-Za-z0-9+/]{16,}={0,2})", 0,
      "docker_auth"),
     # a Terraform or Packer variable named like a credential, with a quoted default
@@ -235,7 +235,7 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
     #    and the word must not begin another noun (`_ABOUT`: `the password manager is 1Password`)
     #    (`pw` too; the value may stand in quotes or guillemets: `est « Passw0rd!23 »`)
     ("prose_credential", _PASSWORD_LITERALS, True,
-     r"\b(?:pass(?:word|phrase|code|wort)?|pw(?=[ \t:=])|kennwort|contrase(?:\u00f1|n)a|"
+     r"\b(?:pass(?:word|phrase|code|wort)?|pw(?=[ :=])|kennwort|contrase(?:\u00f1|n)a|"
      r"mot de passe|senha|wachtwoord)\b" + _ABOUT +
      r"(?:[^\n.;!?]{0,40}?(?:[ \t](?:is|are|was|now|to|es|ist|lautet|est|\u00e9|\u00e8)|:|=))?"
      r"[ \t]+(?:[^\s/]{1,40}(?:[ \t]*/|[ \t]+and)[ \t]*)?"
@@ -319,7 +319,7 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
     # a session cookie with a random value, on a line that names cookies (`Cookie:`,
     # `Set-Cookie:`, `--cookie`, `document.cookie`, `cookies={...}`) or is a `curl -b`
     # (`_cookie_line`): `connect.sid=s%3A…`, `_app_session=…--…`, `PHPSESSID=`, `"sessionid": …`
-    ("session_cookie", ("sess", "sid=", "sid\"", "sid'"), True,
+    ("session_cookie", ("sess", "sid"), True,
      r"(?:sess[a-z0-9_.-]{0,20}|sid)(?:=|[\"'][ \t]*:[ \t]*)[\"']?([^\s;,\"'&]{16,})", _AI,
      "cookie"),
     ("jwt_in_text", ("eyJ",), False,
@@ -423,8 +423,8 @@ _TOKEN_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str | Non
     ("saas_token", ("glsa_",), False,
      _NOT_GLUED + r"glsa_[A-Za-z0-9]{32}_[0-9a-f]{8}", 0, "random"),
     # Linear API keys, OAuth access and refresh tokens
-    ("saas_token", ("lin_api_",), False, _NOT_GLUED + r"lin_api_[A-Za-z0-9]{40}", 0, "random"),
-    ("saas_token", ("lin_oauth_", "lin_refresh_"), False,
+    ("saas_token", ("lin_",), False, _NOT_GLUED + r"lin_api_[A-Za-z0-9]{40}", 0, "random"),
+    ("saas_token", ("lin_",), False,
      _NOT_GLUED + r"lin_(?:oauth|refresh)_([A-Za-z0-9]{32,})", 0, "random"),
     # Vault service and batch tokens
     ("saas_token", ("hvs.",), False, _NOT_GLUED + r"hvs\.[A-Za-z0-9_-]{24,}", 0, "random"),
@@ -451,7 +451,7 @@ _TOKEN_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str | Non
     ("saas_token", ("NRJS-",), False, _NOT_GLUED + r"NRJS-[0-9a-f]{19}", 0, "random"),
     ("saas_token", ("NRAL",), False, _NOT_GLUED + r"[0-9a-f]{36}NRAL", 0, "random"),
     # New Relic Insights insert and query keys
-    ("saas_token", ("NRII-", "NRIQ-"), False, _NOT_GLUED + r"NRI[IQ]-([A-Za-z0-9_-]{32})", 0,
+    ("saas_token", ("NRI",), False, _NOT_GLUED + r"NRI[IQ]-([A-Za-z0-9_-]{32})", 0,
      "random"),
     # Doppler
     ("saas_token", ("dp.",), False,
@@ -1112,7 +1112,7 @@ def _strong_value(value: str) -> bool:
 
 # A password word (not `pass` alone: `pass: 12/12`) and the clause before a label, at its end.
 _PASSWORD_LABEL: Final = (
-    r"\b(?:password|passphrase|passcode|passwort|pw(?=[ \t:=])|kennwort|contrase(?:\u00f1|n)a|"
+    r"\b(?:password|passphrase|passcode|passwort|pw(?=[ :=])|kennwort|contrase(?:\u00f1|n)a|"
     r"mot de passe|senha|wachtwoord)\b" + _ABOUT + r"[^\n.;!?:=]{0,40}$"
 )
 
@@ -1381,12 +1381,18 @@ _ANCHORS: Final = '~><="_:/-.'
 _Tree = tuple[tuple[_Literal, tuple[_Literal, ...]], ...]
 
 
+def _anchor(literal: str) -> str | None:
+    """The first of `_ANCHORS` that a literal holds."""
+    return next((char for char in _ANCHORS if char in literal), None)
+
+
 def _literal_table(rules: range) -> tuple[_Tree, _Tree]:
     """The distinct literals of these rules as two trees two levels deep (roots looked for in
     the text, roots looked for in the lowercased text), each root with the literals to look
     for once it is found. A literal holding an anchor character sits under the first such
     character; one that implies a literal holding none (`password` implies `pass`: a text
-    holding the first holds the second) sits under the longest of those; the rest are roots."""
+    holding the first holds the second) sits under the longest of those; the rest, and an
+    anchor that is a literal itself (`pgpass_password`'s `:`), are roots."""
     admits: dict[tuple[str, bool], list[int]] = {}
     for index in rules:
         _, literals, lower, _ = _SECRET_RULES[index]
@@ -1397,7 +1403,7 @@ def _literal_table(rules: range) -> tuple[_Tree, _Tree]:
               tuple(indexes))
         for key, indexes in admits.items()
     }  # fmt: skip
-    plain = [key for key in rows if not any(char in key[0] for char in _ANCHORS)]
+    plain = [key for key in rows if _anchor(key[0]) is None]
     facts = [(key, *key, _ascii_lower(key[0]), not re.search("[A-Za-z]", key[0])) for key in plain]
 
     def implied(
@@ -1416,9 +1422,10 @@ def _literal_table(rules: range) -> tuple[_Tree, _Tree]:
         ]
 
     roots = [key for key in plain if not implied(key, rows)]
+    roots += sorted(set(rows) & {(char, False) for char in _ANCHORS})  # a literal `:` is a root
     tree: dict[tuple[str, bool], list[_Literal]] = {root: [] for root in roots}
     for key in [key for key in rows if key not in tree]:
-        anchor = next((char for char in _ANCHORS if char in key[0]), None)
+        anchor = _anchor(key[0])
         if anchor is None:
             parent = max(implied(key, set(roots)), key=lambda root: len(root[0]))
         else:
