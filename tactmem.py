@@ -128,13 +128,30 @@ _ASSIGNED_VALUE: Final = re.compile(f"[{_WS}]*[:=][{_WS}]*[^{_WS}]")
 # text, the pattern, and what its last group must be (`_SHAPE_CHECKS`): "random" — a digit, or
 # both cases, so `xapp-frontend-service` is a name and `xapp-1-A0B1C2D3` a token; "value" — not
 # a placeholder such as `$PASSWORD`, `<your-token>`, `xxxx`, `sk_live_...` or `redacted`;
-# "word" — both, in one word; "flag" — a word that is not a path; "chosen" and "strong" — a
-# value a person chose (`_chosen_value`, `_strong_value`); "env", "env_tail", "env_pair" and
-# "env_random" — a credential name and its value (`_env_name`); None — the match is enough).
+# "word" — both, in one word; "flag" — a word that is not a path; "chosen", "labelled"
+# and "strong" — a value a person chose (`_chosen_value`, `_labelled`, `_strong_value`); "env",
+# "env_tail", "env_pair" and "env_random" — a credential name and its value (`_env_name`);
+# None — the match is enough).
 # A pattern is compiled the first time one of its literals is seen; every run it repeats is
 # bounded, so no text costs more than a few milliseconds. `_NOT_GLUED`: not glued to a preceding
 # word or token character. "(ai)" patterns ignore ASCII case: they are written in lower case.
 _NOT_GLUED: Final = "(?<![A-Za-z0-9_])"
+# Nouns that, after a password, key or token word, name another thing (`password manager`,
+# `password policy`, `token store`, `key rotation`): what follows tells that thing, not a secret.
+_ABOUT: Final = (
+    r"(?![ \t-]+(?:manager|policy|policies|vault|store|safe|reset|rotation|expiry|expiration|"
+    r"length|hash|hashing|requirements?|rules?|complexity|strength|field|prompt|hint|generator|"
+    r"history|changes?|format)\b)"
+)
+# The password words of the prose rows (`pw` only before a space, `:` or `=`: not `upwards`).
+_PASSWORD_LITERALS: Final = (
+    "pass", "pw ", "pw:", "pw=", "kennwort", "contrase", "senha", "wachtwoord",
+)  # fmt: skip
+# Closing quotes and the spaces French sets inside guillemets: a told value ends at them.
+_QUOTES_CLOSING: Final = "\u00bb\u201c\u201d\u2019\u00a0\u202f"
+# Scripts written without spaces (CJK punctuation, kana, Hangul, Han, full-width forms), where a
+# value told in ASCII ends at the next character of the sentence.
+_CJK: Final = "\u3000-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uff00-\uffef"
 _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str | None], ...]] = (
     # -- key blocks: a PEM or PGP private-key header inside a line (or before armor lines such
     #    as `Proc-Type: 4,ENCRYPTED`) followed by key material; a PGP one alone on its line;
@@ -200,29 +217,60 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
     ("connection_password", ("jdbc:oracle",), True,
      r"jdbc:oracle:[a-z]{1,16}:[a-z0-9_$#]{1,64}/([^@\s]{1,200})@", _AI, "value"),
     ("password_url", ("://:",), False, r"://:([^@/\s]{3,})@", 0, "value"),
+    # a Kubernetes registry Secret's `.dockerconfigjson` (or older `.dockercfg`) in base64,
+    # whose decoded config holds an `auth`, a `password` or an identity token (`_registry_auth`)
+    ("docker_config", (".docker",), False,
+     r"\.docker(?:configjson|cfg)[\"']?[ \t]*:[ \t]*[\"']?([A-Za-z0-9+/]{16,}={0,2})", 0,
+     "docker_auth"),
+    # a Terraform or Packer variable named like a credential, with a quoted default
+    ("terraform_variable", ("variable",), True,
+     r"\bvariable[ \t]+\"([a-z0-9_-]{1,64})\"[ \t]*\{[^{}]{0,400}?\bdefault[ \t]*=[ \t]*"
+     r"\"([^\"\n]{4,})\"", _AI, "env"),
+    # a `.pgpass` line, `host:port:database:user:password`, found from its `:port:` (or `:*:`);
+    # the host before it is checked in code (`_pgpass_host`); the password (`\:` escapes a
+    # colon) must look random, since `file:line:level:logger:Message` logs share the shape
+    ("pgpass_password", (":",), False,
+     r":(?:\d{1,5}|\*):[^:\s]{1,63}:[^:\s]{1,63}:((?:[^\s:\\]|\\.){4,200})(?![^\s\"'])", 0,
+     "pgpass"),
     # -- a password or key told in prose: `the password is Autumn2022$`, `the account key for
-    #    X is <base64>`, `login is admin / Autumn2022$`; the value must look chosen, not a word
-    ("prose_credential", ("pass", "kennwort", "contrase", "senha", "wachtwoord"), True,
-     r"\b(?:pass(?:word|phrase|code|wort)?|kennwort|contrase(?:\u00f1|n)a|mot de passe|"
-     r"senha|wachtwoord)\b"
+    #    X is <base64>`, `login is admin / Autumn2022$`; the value must look chosen, not a word,
+    #    and the word must not begin another noun (`_ABOUT`: `the password manager is 1Password`)
+    #    (`pw` too; the value may stand in quotes or guillemets: `est « Passw0rd!23 »`)
+    ("prose_credential", _PASSWORD_LITERALS, True,
+     r"\b(?:pass(?:word|phrase|code|wort)?|pw(?=[ :=])|kennwort|contrase(?:\u00f1|n)a|"
+     r"mot de passe|senha|wachtwoord)\b" + _ABOUT +
      r"(?:[^\n.;!?]{0,40}?(?:[ \t](?:is|are|was|now|to|es|ist|lautet|est|\u00e9|\u00e8)|:|=))?"
-     r"[ \t]+(?:[^\s/]{1,40}(?:[ \t]*/|[ \t]+and)[ \t]*)?[\"'`]?([^\s\"'`]{8,})", _AI, "chosen"),
-    # other scripts and Swedish: パスワード, пароль, 비밀번호, 密码, lösenord
+     r"[ \t]+(?:[^\s/]{1,40}(?:[ \t]*/|[ \t]+and)[ \t]*)?"
+     r"[\"'`\u00ab\u201c\u201e\u2018]?[ \u00a0\u202f]?([^\s\"'`" + _QUOTES_CLOSING + r"]{8,})",
+     _AI, "chosen"),
+    # a label, `:` or `=`, giving a value of six or seven characters that ends the line and
+    # mixes letters with digits or symbols, after a password word (`_PASSWORD_LABEL`, looked
+    # for in code): `Wi-Fi passphrase for the lab: hunter2`; told with `is`, eight are needed
+    ("prose_credential", _PASSWORD_LITERALS, True,
+     r"[:=][ \t]*[\"'`]?([^\s\"'`]{6,7})[\"'`.!]?[ \t]*\r?$", _AI | re.MULTILINE, "labelled"),
+    # other scripts and Swedish: パスワード, пароль, 비밀번호, 密码, lösenord, not a password
+    # manager or policy (マネージャー, 管理, ポリシー, 策略, 관리, 정책); a value told in a
+    # script without spaces ends where that script begins again (`パスワードは12文字以上`)
     ("prose_credential", ("\u30d1\u30b9\u30ef\u30fc\u30c9", "\u043f\u0430\u0440\u043e\u043b\u044c",
                           "\u041f\u0430\u0440\u043e\u043b\u044c", "\ube44\ubc00\ubc88\ud638",
                           "\u5bc6\u7801", "\u5bc6\u78bc", "l\u00f6senord", "L\u00f6senord"), False,
      r"(?:\u30d1\u30b9\u30ef\u30fc\u30c9|[\u041f\u043f]\u0430\u0440\u043e\u043b\u044c|"
-     r"\ube44\ubc00\ubc88\ud638|\u5bc6[\u7801\u78bc]|[Ll]\u00f6senord(?:et)?)[^\n.;!?\u3002]{0,30}?"
-     r"(?:\u306f|\ub294|\u662f|\u4e3a|:|\uff1a|[ \t]\u00e4r)[ \t]*[\"'`]?([^\s\"'`]{8,})", 0,
-     "chosen"),
+     r"\ube44\ubc00\ubc88\ud638|\u5bc6[\u7801\u78bc]|[Ll]\u00f6senord(?:et)?)"
+     r"(?![ \t]?(?:\u30de\u30cd\u30fc\u30b8\u30e3|\u7ba1\u7406|\u30dd\u30ea\u30b7\u30fc|"
+     r"\u7b56\u7565|\uad00\ub9ac|\uc815\ucc45))[^\n.;!?\u3002]{0,30}?"
+     r"(?:\u306f|\ub294|\u662f|\u4e3a|:|\uff1a|[ \t]\u00e4r)[ \t]*[\"'`\u300c\u300e]?"
+     r"([^\s\"'`" + _CJK + r"]{8,})", 0, "chosen"),
     ("prose_credential", ("secret", "key", "token", "pass", "login", "credential"), True,
      r"\b(?:secret|(?:api|access|account|app|auth|client|license|secret|private|signing)[ _-]?"
      r"(?:key|secret|token|password)|token|login|credentials?)"
-     r"\b(?:[^\n.;!?]{0,40}?(?:[ \t]is|[ \t]are|[ \t]was|:|=))?[ \t]+"
+     r"\b" + _ABOUT + r"(?:[^\n.;!?]{0,40}?(?:[ \t]is|[ \t]are|[ \t]was|:|=))?[ \t]+"
      r"(?:[^\s/]{1,40}[ \t]*/[ \t]*)?"
      r"[\"'`]?([^\s\"'`]{8,})", _AI, "strong"),
     # -- command lines
     ("cli_password", ("--pass",), True, r"--pass(?:word|wd)?[ \t]+([^\s]{3,})", _AI, "value"),
+    # the Terraform CLI's token for a host in the environment: `TF_TOKEN_app_terraform_io=…`
+    ("terraform_token", ("tf_token_",), True,
+     r"\btf_token_[a-z0-9_-]{1,100}[ \t]*[:=][ \t]*[\"']?([^\s\"']{8,})", _AI, "word"),
     ("cli_password", ("-pass", "storepass", "keypass", "srcpass", "destpass", "newpass"), True,
      r"[ \t]-(?:src|dest|new)?(?:store|key)?pass[ \t]+([^\s]{3,})", _AI, "value"),
     ("cli_password", ("login", "auth"), True,
@@ -270,6 +318,12 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
      r"[\"']?[ \t]{0,16}(?::[ \t]*|(?<=[ \t])(?=[\"'])|"
      r"(?<=[ \t])(?=(?:[a-z][a-z0-9-]{1,15}[ \t]+)?[^\s;\"']{8,};))[\"']?"  # nginx: `NAME VALUE;`
      r"(?:[a-z][a-z0-9-]{1,15}[ \t]+)?([a-z0-9+/=._~-]{8,})", _AI, "word"),
+    # a session cookie with a random value, on a line that names cookies (`Cookie:`,
+    # `Set-Cookie:`, `--cookie`, `document.cookie`, `cookies={...}`) or is a `curl -b`
+    # (`_cookie_line`): `connect.sid=s%3A…`, `_app_session=…--…`, `PHPSESSID=`, `"sessionid": …`
+    ("session_cookie", ("sess", "sid"), True,
+     r"(?:sess[a-z0-9_.-]{0,20}|sid)(?:=|[\"'][ \t]*:[ \t]*)[\"']?([^\s;,\"'&]{16,})", _AI,
+     "cookie"),
     ("jwt_in_text", ("eyJ",), False,
      r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{5,}\.eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}", 0,
      None),
@@ -288,6 +342,9 @@ _CREDENTIAL_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str 
     ("azure_client_secret", ("Q~",), False,
      r"(?<![A-Za-z0-9_~.-])[A-Za-z0-9_~.-]{3}\dQ~([A-Za-z0-9_~.-]{31,34})(?![A-Za-z0-9_~.-])", 0,
      "random"),
+    # a 1Password service-account token (`ops_` and a base64 JSON)
+    ("onepassword_secret", ("ops_eyJ",), False,
+     _NOT_GLUED + r"ops_eyJ[A-Za-z0-9+/]{250,}={0,3}", 0, None),
     # Grafana Cloud and Sentry tokens, whose bodies hold `+`, `/` or `=`
     ("saas_token", ("glc_", "sntrys_", "sntryu_"), False,
      _NOT_GLUED + r"(?:glc_[A-Za-z0-9+/]{32,}|sntry[su]_[A-Za-z0-9+/=_-]{40,})", 0, "random"),
@@ -346,6 +403,9 @@ _TOKEN_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str | Non
     ("mailchimp_key", tuple(f"-us{digit}" for digit in range(1, 10)), False,
      _NOT_GLUED + r"[0-9a-f]{32}-us[1-9]\d?(?![0-9])", 0, None),
     ("mailgun_key", ("key-",), False, _NOT_GLUED + r"key-[0-9a-f]{32}(?![0-9a-f])", 0, None),
+    # Mailgun's newer private keys, 32 hex then 8 and 8, on a line that names Mailgun
+    ("mailgun_key", ("mailgun",), True,
+     r"(?<![0-9a-z])[0-9a-f]{32}-[0-9a-f]{8}-[0-9a-f]{8}(?![0-9a-z])", _AI, "mailgun"),
     ("shopify_token", ("shpat_", "shpss_", "shpca_", "shppa_"), False,
      _NOT_GLUED + r"shp(?:at|ss|ca|pa)_[0-9a-fA-F]{32}", 0, None),
     ("digitalocean_token", ("_v1_",), False, _NOT_GLUED + r"do[opr]_v1_[0-9a-f]{64}", 0, None),
@@ -353,12 +413,21 @@ _TOKEN_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str | Non
     ("square_token", ("sq0atp-", "sq0csp-"), False,
      _NOT_GLUED + r"sq0(?:atp|csp)-([0-9A-Za-z_-]{22,})", 0, "random"),
     ("square_token", ("EAAA",), False, _NOT_GLUED + r"EAAA([A-Za-z0-9_-]{60,})", 0, "random"),
+    # a 1Password account's Secret Key: `A3-`, the account's six characters, then 26 in groups
+    ("onepassword_secret", ("A3-",), False,
+     r"(?<![A-Za-z0-9-])A3-([A-Z0-9]{6}-[A-Z0-9]{6}(?:-[A-Z0-9]{5}){4})(?![A-Za-z0-9-])", 0,
+     "random"),
+    # a Terraform Cloud (HCP Terraform) or Enterprise API token: 14 characters, `.atlasv1.`
+    ("terraform_token", (".atlasv1.",), False,
+     _NOT_GLUED + r"[A-Za-z0-9]{14}\.atlasv1\.([A-Za-z0-9_-]{60,})", 0, "random"),
     # SaaS API tokens with a documented prefix, one provider per row (the body must look random)
     # Grafana service account
     ("saas_token", ("glsa_",), False,
      _NOT_GLUED + r"glsa_[A-Za-z0-9]{32}_[0-9a-f]{8}", 0, "random"),
-    # Linear
-    ("saas_token", ("lin_api_",), False, _NOT_GLUED + r"lin_api_[A-Za-z0-9]{40}", 0, "random"),
+    # Linear API keys, OAuth access and refresh tokens
+    ("saas_token", ("lin_",), False, _NOT_GLUED + r"lin_api_[A-Za-z0-9]{40}", 0, "random"),
+    ("saas_token", ("lin_",), False,
+     _NOT_GLUED + r"lin_(?:oauth|refresh)_([A-Za-z0-9]{32,})", 0, "random"),
     # Vault service and batch tokens
     ("saas_token", ("hvs.",), False, _NOT_GLUED + r"hvs\.[A-Za-z0-9_-]{24,}", 0, "random"),
     ("saas_token", ("hvb.",), False, _NOT_GLUED + r"hvb\.[A-Za-z0-9_-]{24,}", 0, "random"),
@@ -383,6 +452,9 @@ _TOKEN_SHAPES: Final[tuple[tuple[str, tuple[str, ...], bool, str, int, str | Non
     ("saas_token", ("NRAK-",), False, _NOT_GLUED + r"NRAK-[A-Z0-9]{27}", 0, "random"),
     ("saas_token", ("NRJS-",), False, _NOT_GLUED + r"NRJS-[0-9a-f]{19}", 0, "random"),
     ("saas_token", ("NRAL",), False, _NOT_GLUED + r"[0-9a-f]{36}NRAL", 0, "random"),
+    # New Relic Insights insert and query keys
+    ("saas_token", ("NRI",), False, _NOT_GLUED + r"NRI[IQ]-([A-Za-z0-9_-]{32})", 0,
+     "random"),
     # Doppler
     ("saas_token", ("dp.",), False,
      _NOT_GLUED + r"dp\.(?:pt|st|sa|ct|scim|audit)\.[A-Za-z0-9]{40,}", 0, "random"),
@@ -996,15 +1068,24 @@ _EMAIL: Final = r"[^@\s]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+|[a-z0-9._-]+@[a-z0-9
 _ARGUMENT: Final = r"[a-z_]{2,}\w*=|[A-Za-z_]\w*=[\w.-]*$"
 
 
-def _told(value: str) -> str | None:
+def _told(value: str, shortest: int = 8) -> str | None:
     """A value told in prose without its closing punctuation, or None where it cannot be a
-    secret: under eight characters, a placeholder, a URL, an address or an argument."""
+    secret: under `shortest` characters, a placeholder, a URL, an address or an argument."""
     value = value.strip(".,;:)]}\"'`")
-    if len(value) < 8 or not _real_value(value) or "://" in value:
+    if len(value) < shortest or not _real_value(value) or "://" in value:
         return None
-    return (
-        None if _shape(_EMAIL, 0).fullmatch(value) or _shape(_ARGUMENT, 0).match(value) else value
-    )
+    return None if _shape(_EMAIL, 0).fullmatch(value) or _argument(value) else value
+
+
+def _argument(value: str) -> bool:
+    """`name=value` setting an option (`bcrypt=12`, `kid=2024-05-rsa`, `ENV=staging`), not a
+    generated value behind a few letters and `=` (`rufn=qSkfn8QQeqUdGkg`): what follows the
+    first `=` lacks a digit or a change of case."""
+    if not _shape(_ARGUMENT, 0).match(value):
+        return False
+    setting = value.partition("=")[2]
+    mixed = setting.lower() != setting != setting.upper()
+    return not (mixed and any(char.isdigit() for char in setting))
 
 
 def _chosen_value(value: str) -> bool:
@@ -1021,10 +1102,7 @@ def _flag_value(value: str) -> bool:
     """A command-line credential flag's value: token-like, not a path (`~/.ssh/key2`), not an
     argument list (`docker build --secret id=npmrc2,src=.npmrc`)."""
     return (
-        _random_value(value)
-        and "/" not in value
-        and value[0] not in "~."
-        and not _shape(_ARGUMENT, 0).match(value)
+        _random_value(value) and "/" not in value and value[0] not in "~." and not _argument(value)
     )
 
 
@@ -1039,6 +1117,79 @@ def _strong_value(value: str) -> bool:
     changes = sum(1 for before, after in itertools.pairwise(cases) if before != after)
     digits = sum(char.isdigit() for char in told)
     return bool(cases) and (not _SYMBOLS.isdisjoint(told) or (digits >= 2 and changes >= 4))
+
+
+# A password word (not `pass` alone: `pass: 12/12`) and the clause before a label, at its end.
+_PASSWORD_LABEL: Final = (
+    r"\b(?:password|passphrase|passcode|passwort|pw(?=[ :=])|kennwort|contrase(?:\u00f1|n)a|"
+    r"mot de passe|senha|wachtwoord)\b" + _ABOUT + r"[^\n.;!?:=]{0,40}$"
+)
+
+
+def _labelled(match: re.Match[str], text: str) -> bool:
+    """The short prose row: a password word before the label, within 64 characters on its
+    line, and a short value (`_short_value`)."""
+    start = max(text.rfind("\n", 0, match.start()) + 1, match.start() - 64)
+    word = _shape(_PASSWORD_LABEL, 0).search(_folded(text), start, match.start())
+    return word is not None and _short_value(_last_group(match, text))
+
+
+def _short_value(value: str) -> bool:
+    """After a password word's label: a told value of six characters or more with a letter and
+    a digit or a symbol (`hunter2`, not `123456` or `changed`)."""
+    told = _told(value, 6)
+    return (
+        told is not None
+        and any(char.isalpha() for char in told)
+        and (any(char.isdigit() for char in told) or not _SYMBOLS.isdisjoint(told))
+    )
+
+
+_REGISTRY_AUTH: Final = r"\"(?:auth|password|identitytoken)\"\s*:\s*\"([^\"]{4,})\""
+
+
+def _registry_auth(value: str) -> bool:
+    """A Docker config in base64 (a whole number of its 4-character groups is decoded) whose
+    registries hold an `auth`, a `password` or an identity token that is not a placeholder;
+    `{"auths": {}}` and `{"credsStore": "desktop"}` hold none."""
+    import binascii  # only a registry Secret needs it
+
+    config = binascii.a2b_base64(value[: len(value) // 4 * 4]).decode("utf-8", "replace")
+    return any(_real_value(found.group(1)) for found in _shape(_REGISTRY_AUTH, 0).finditer(config))
+
+
+_HOST_ENDS: Final = frozenset(" \t\r\n\"':")
+
+
+def _pgpass_host(match: re.Match[str], text: str) -> bool:
+    """`pgpass_password`: the field before the port is a whole first field (after the start, a
+    space or a quote, not after another `:`) that can name a host (`*`, or a letter or a dot:
+    `10:30:00:15:abc1` is a time), and the password looks random."""
+    start = end = match.start()
+    while start > 0 and end - start <= 253 and text[start - 1] not in _HOST_ENDS:
+        start -= 1
+    host = text[start:end]
+    return (
+        0 < len(host) <= 253
+        and (start == 0 or text[start - 1] != ":")
+        and (host == "*" or any(char.isalpha() or char == "." for char in host))
+        and _random_value(_last_group(match, text))
+    )
+
+
+def _line_around(match: re.Match[str], text: str) -> str:
+    """The lowercased line (or lines) a match lies on."""
+    end = text.find("\n", match.end())
+    return _folded(text)[text.rfind("\n", 0, match.start()) + 1 : end if end >= 0 else None]
+
+
+def _cookie_line(match: re.Match[str], text: str) -> bool:
+    """`session_cookie`: the line before the cookie names cookies or is a `curl` with `-b`
+    (a session id in a log line is a correlation id), and the value looks random."""
+    line = _folded(text)[text.rfind("\n", 0, match.start()) + 1 : match.start()]
+    return ("cookie" in line or ("curl" in line and " -b" in line)) and _random_value(
+        _last_group(match, text)
+    )
 
 
 def _random_value(value: str) -> bool:
@@ -1110,9 +1261,14 @@ _SHAPE_CHECKS: Final[dict[str, Callable[[re.Match[str], str], bool]]] = {
     "chosen": lambda match, text: (
         _chosen_value(_last_group(match, text)) and not text.startswith("PASS", match.start())
     ),
+    "labelled": _labelled,
     "flag": lambda match, text: _flag_value(_last_group(match, text)),
     "env": lambda match, text: _env_name(_group(match, text, 1), _group(match, text, 2)),
     "env_tail": _env_tail,
+    "docker_auth": lambda match, text: _registry_auth(_last_group(match, text)),
+    "pgpass": _pgpass_host,
+    "cookie": _cookie_line,
+    "mailgun": lambda match, text: "mailgun" in _line_around(match, text),
     "gcp_key": lambda _, text: _shape(_GCP_KEY_FIELD, 0).search(text) is not None,
     # a quoted pair may be two names in a list (`["password", "api_key"]`): the value looks random
     "env_random": lambda match, text: (
@@ -1130,6 +1286,7 @@ _NEEDS: Final = {
     "quoted_credential": "\"'",
     "env_credential": ":=\"'",
     "credential_header": ":\"';",
+    "session_cookie": "=:",
     "connection_password": "=:",
     "credential_assignment": ":=",  # `_ASSIGNED_VALUE` needs one
     "sdk_client_key": "\"'",
@@ -1233,12 +1390,18 @@ _ANCHORS: Final = '~><="_:/-.'
 _Tree = tuple[tuple[_Literal, tuple[_Literal, ...]], ...]
 
 
+def _anchor(literal: str) -> str | None:
+    """The first of `_ANCHORS` that a literal holds."""
+    return next((char for char in _ANCHORS if char in literal), None)
+
+
 def _literal_table(rules: range) -> tuple[_Tree, _Tree]:
     """The distinct literals of these rules as two trees two levels deep (roots looked for in
     the text, roots looked for in the lowercased text), each root with the literals to look
     for once it is found. A literal holding an anchor character sits under the first such
     character; one that implies a literal holding none (`password` implies `pass`: a text
-    holding the first holds the second) sits under the longest of those; the rest are roots."""
+    holding the first holds the second) sits under the longest of those; the rest, and an
+    anchor that is a literal itself (`pgpass_password`'s `:`), are roots."""
     admits: dict[tuple[str, bool], list[int]] = {}
     for index in rules:
         _, literals, lower, _ = _SECRET_RULES[index]
@@ -1249,7 +1412,7 @@ def _literal_table(rules: range) -> tuple[_Tree, _Tree]:
               tuple(indexes))
         for key, indexes in admits.items()
     }  # fmt: skip
-    plain = [key for key in rows if not any(char in key[0] for char in _ANCHORS)]
+    plain = [key for key in rows if _anchor(key[0]) is None]
     facts = [(key, *key, _ascii_lower(key[0]), not re.search("[A-Za-z]", key[0])) for key in plain]
 
     def implied(
@@ -1268,9 +1431,10 @@ def _literal_table(rules: range) -> tuple[_Tree, _Tree]:
         ]
 
     roots = [key for key in plain if not implied(key, rows)]
+    roots += sorted(set(rows) & {(char, False) for char in _ANCHORS})  # a literal `:` is a root
     tree: dict[tuple[str, bool], list[_Literal]] = {root: [] for root in roots}
     for key in [key for key in rows if key not in tree]:
-        anchor = next((char for char in _ANCHORS if char in key[0]), None)
+        anchor = _anchor(key[0])
         if anchor is None:
             parent = max(implied(key, set(roots)), key=lambda root: len(root[0]))
         else:

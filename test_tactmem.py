@@ -350,7 +350,8 @@ NEW_KINDS = (
     "mailgun_key", "shopify_token", "digitalocean_token", "databricks_token", "square_token",
     "saas_token", "jwt_in_text", "gcp_service_account", "env_credential", "putty_private_key",
     "xml_credential", "prose_credential", "sdk_client_key", "azure_client_secret",
-    "quoted_password",
+    "quoted_password", "docker_config", "terraform_variable", "pgpass_password", "session_cookie",
+    "onepassword_secret", "terraform_token",
 )  # fmt: skip
 
 
