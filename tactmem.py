@@ -1035,6 +1035,13 @@ _PLACEHOLDERS: Final = frozenset(
 )
 
 
+# How secret stores are referred to in configuration: Azure App Service's Key Vault references,
+# 1Password's secret references, Vault paths, AWS Secrets Manager and Parameter Store ARNs.
+_SECRET_REFERENCES: Final = (
+    "@Microsoft.KeyVault(", "op://", "vault:", "arn:aws:secretsmanager:", "arn:aws:ssm:",
+)  # fmt: skip
+
+
 def _real_value(value: str) -> bool:
     """A value that is not a placeholder: four characters or more once quotes are stripped,
     not a variable or template (`$X`, `<x>`, `{{x}}`, `%(x)s`, `[x]`, `(x)`), not a flag, not
@@ -1051,6 +1058,7 @@ def _real_value(value: str) -> bool:
         and not _shape(_CODE_VALUE, 0).match(value)  # `env("X")`: code that reads one
         and not value.startswith(("/", "~/", "./", "../"))  # a path
         and not value.startswith(("env:", "file:", "fd:"))  # OpenSSL: where the password is
+        and not value.startswith(_SECRET_REFERENCES)  # a secret store's name for it
         and "..." not in value
         and "\u2026" not in value  # `sk_live_...`, `ghp_…`: elided
         and not value.endswith(("xxxx", "XXXX", "***"))  # `tskey-auth-XXXX`: masked
