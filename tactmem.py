@@ -1514,7 +1514,8 @@ def _hidden(content: object) -> bool:
     return not isinstance(content, str) or find_secret(content) is not None
 
 
-# The metadata a shown row must hold as integers (besides its version), and as integers or NULL.
+# The metadata a shown row must hold as integers (besides its version, at least 1, and the two
+# counts, at least 0), and as integers or NULL.
 _COUNT_FIELDS: Final = ("created_at_ms", "updated_at_ms", "scan_count", "use_count")
 _TIME_FIELDS: Final = ("last_scanned_at_ms", "last_used_at_ms", "probation_until_ms")
 
@@ -1527,6 +1528,8 @@ def _shown(record: Record) -> bool:
         and type(record.key.version) is int
         and all(type(getattr(record, name)) is int for name in _COUNT_FIELDS)
         and all(type(getattr(record, name)) in (int, type(None)) for name in _TIME_FIELDS)
+        and record.key.version > 0
+        and min(record.scan_count, record.use_count) >= 0
     )
 
 
@@ -1732,7 +1735,7 @@ def _plan_put(put: _Put, state: _PutState, limits: Limits) -> _PutPlan:
         if type(state.next_id) in (int, float) and state.next_id > _MAX_SQL_INT:  # type: ignore[operator]
             raise DatabaseCapacity()  # SQLite made the id after the largest one a float
         if type(state.next_id) is not int:  # a foreign writer's allocator: no id is safe
-            raise StorageError("the memory database's id allocator is not a whole number")
+            raise StorageError("memory database's id allocator is not a whole number")
         key, created = Key(state.next_id, 1), put.now_ms
     else:
         version = _check_version(put.replace, state.target_version)
@@ -3242,6 +3245,7 @@ _SCHEMA: Final = (
         UPDATE memory_metadata SET next_id = NEW.id + 1 WHERE id = 1 AND next_id <= NEW.id;
     END""",
 )
+_SQL_SPACE: Final = re.compile("[ \t\n\f\r]+")
 # An index an earlier tactmem build created; files it wrote still have it, and it is harmless.
 _OLD_PROBATION_INDEX: Final = (
     "CREATE INDEX memories_probation ON memories (probation_until_ms)"
@@ -3266,6 +3270,7 @@ _CORPUS_ROWS: Final = "SELECT id, version, CASE WHEN {} THEN content END FROM me
     " AND ".join(
         [f"typeof({name}) = 'integer'" for name in ("version", *_COUNT_FIELDS)]
         + [f"typeof({name}) IN ('integer', 'null')" for name in _TIME_FIELDS]
+        + ["version > 0", "scan_count >= 0", "use_count >= 0"]
     )
 )
 _RECORD_COLUMNS: Final = (
@@ -3288,8 +3293,15 @@ _SQL_CHUNK: Final = 500  # ids bound per `IN (...)`, under every SQLite variable
 
 
 def _now_ms(now_ms: int | None = None) -> int:
-    """`now_ms` if given, else the wall clock."""
-    return max(0, time.time_ns() // 1_000_000) if now_ms is None else now_ms
+    """`now_ms` if given (an integer SQLite can store), else the wall clock."""
+    if now_ms is None:
+        return max(0, time.time_ns() // 1_000_000)
+    if type(now_ms) is not int or not 0 <= now_ms <= _MAX_SQL_INT:
+        raise InvalidRequest(f"now_ms must be an integer from 0 to {_MAX_SQL_INT}")
+    return now_ms
+
+
+_DAMAGED: Final = "memory database file is not a SQLite database or is damaged"
 
 
 def _storage_error(error: sqlite3.Error) -> TactmemError:
@@ -3300,7 +3312,7 @@ def _storage_error(error: sqlite3.Error) -> TactmemError:
     if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
         return StoreBusy()
     if name in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
-        return StorageError("memory database file is not a SQLite database or is damaged")
+        return StorageError(_DAMAGED)
     if name.startswith("SQLITE_READONLY"):
         return StorageError("memory database is read-only")
     if name.startswith("SQLITE_CANTOPEN"):
@@ -3340,21 +3352,24 @@ def _file_identity(path: str) -> tuple[int, int] | None:
     return (status.st_dev, status.st_ino)
 
 
-def _readable_by_others(path: str) -> bool:
+def _open_to_others(path: str) -> bool:
+    """Whether group or others may read or write `path` (what `tactmem stats` warns about)."""
     try:
-        return bool(os.stat(path).st_mode & (stat.S_IRGRP | stat.S_IROTH))
+        return bool(os.stat(path).st_mode & 0o066)
     except OSError:
         return False
 
 
 def _prepare_file(path: str) -> None:
     """Create every missing directory on the way 0700 and a missing database file 0600,
-    whatever the umask; a dangling symlink gets its target created 0600."""
-    missing, parent = [], os.path.dirname(os.path.abspath(path))
-    while not os.path.isdir(parent) and parent != os.path.dirname(parent):
-        missing.append(parent)
-        parent = os.path.dirname(parent)
+    whatever the umask; a dangling symlink gets its target created 0600. Anything but a
+    regular file at the path (a directory, a device, a FIFO) is refused before SQLite opens
+    it, so no journal is ever made beside `/dev/null`."""
     try:
+        missing, parent = [], os.path.dirname(os.path.abspath(path))
+        while not os.path.isdir(parent) and parent != os.path.dirname(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
         for directory in reversed(missing):
             with contextlib.suppress(FileExistsError):  # another process got there first
                 os.mkdir(directory, 0o700)
@@ -3363,8 +3378,11 @@ def _prepare_file(path: str) -> None:
         only_new = 0 if dangling else os.O_EXCL  # an existing file is left alone
         with contextlib.suppress(FileExistsError):
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | only_new, 0o600))
-    except OSError:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in the path
         raise StorageError("could not prepare the memory directory") from None
+    if not regular:
+        raise StorageError("could not open the memory database file")
 
 
 def _schema_version(connection: sqlite3.Connection) -> int:
@@ -3384,39 +3402,79 @@ def _text(data: bytes) -> str | bytes:
         return data
 
 
-def _schema_objects(connection: sqlite3.Connection) -> set[tuple[str, str, object]]:
-    """Every schema object as `(type, name, SQL with runs of whitespace made one space)`."""
+def _schema_objects(connection: sqlite3.Connection) -> set[tuple[object, object, object]]:
+    """Every schema object as `(type, name, SQL with each run of white space one space)`: only
+    SQLite's five white-space characters, since it reads any other as part of a word."""
     rows = connection.execute("SELECT type, name, sql FROM sqlite_schema")
     return {
-        (kind, name, " ".join(sql.split()) if isinstance(sql, str) else sql)
+        (kind, name, _SQL_SPACE.sub(" ", sql).strip(" ") if isinstance(sql, str) else sql)
         for kind, name, sql in rows
     }
 
 
 @functools.cache
-def _known_objects() -> frozenset[tuple[str, str, object]]:
-    """The schema objects tactmem and Tact create (the same text, whitespace aside), as SQLite
-    itself records them: `_SCHEMA` run on an empty in-memory database, and the old index."""
+def _known_objects() -> frozenset[tuple[object, object, object]]:
+    """The schema objects tactmem and Tact create (the same text, white space aside), as
+    SQLite itself records them: `_SCHEMA` run on an empty in-memory database, the old index,
+    and the statistics table `ANALYZE` adds."""
     connection = sqlite3.connect(":memory:")
     try:
-        for statement in (*_SCHEMA, _OLD_PROBATION_INDEX):
+        for statement in (*_SCHEMA, _OLD_PROBATION_INDEX, "ANALYZE"):
             connection.execute(statement)
         return frozenset(_schema_objects(connection))
     finally:
         connection.close()
 
 
-def _check_objects(connection: sqlite3.Connection) -> None:
-    """Refuse a file holding any schema object tactmem did not create: a trigger or view would
-    run on tactmem's own writes, a changed table breaks its rules, and a file with another
-    application's tables is not a memory store. Statistics tables from `ANALYZE` are harmless."""
-    for kind, name, _ in _schema_objects(connection) - _known_objects():
-        if kind != "table" or not name.startswith("sqlite_stat"):
-            kind = kind if kind in ("table", "index", "view", "trigger") else "schema object"
-            raise StorageError(
-                f"the memory database file holds a {kind} tactmem did not create;"
-                " it was left as it was"
-            )
+def _check_file(connection: sqlite3.Connection) -> int:
+    """The file's `user_version` (see `_schema_version`), once its text encoding and every
+    schema object are checked: a file holding an object tactmem did not create is refused (a
+    trigger or view would run on tactmem's own writes, a changed table breaks its rules, and a
+    file with another application's tables is not a memory store), and so is UTF-16 text,
+    whose stored lengths would not be the UTF-8 bytes the bounds count."""
+    found = _schema_version(connection)
+    for kind, _, _ in _schema_objects(connection) - _known_objects():
+        kind = kind if kind in ("table", "index", "view", "trigger") else "schema object"
+        raise StorageError(f"memory database file holds a {kind} tactmem did not create")
+    if connection.execute("PRAGMA encoding").fetchone() != ("UTF-8",):
+        raise StorageError("memory database file does not hold UTF-8 text")
+    return found
+
+
+def _open(path: str, limits: Limits, **options: Any) -> sqlite3.Connection:
+    """A connection that does not trust the file: no value longer than the page budget (a
+    planted generated column could ask for gigabytes while the schema loads), no function
+    with side effects run from the schema, and text that is not UTF-8 kept as bytes."""
+    connection: sqlite3.Connection = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_S, **options)
+    connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max(limits.database_bytes, 1 << 20))
+    connection.text_factory = _text
+    try:
+        connection.execute("PRAGMA trusted_schema = OFF")
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
+def _inspect(path: str, limits: Limits) -> None:
+    """`_check_file` through a read-only connection first, so that a refused file is never
+    written, not even by SQLite checkpointing a WAL file's frames as it closes. A file with a
+    hot journal cannot be read read-only; the read-write connection recovers it (as any SQLite
+    writer does, which is how a crashed tactmem write is undone) and checks it after."""
+    name = os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    try:
+        with open(path, "rb") as file:  # a WAL file with no log: read as it is, leaving no -shm
+            settled = file.read(20)[18:] == b"\x02\x02" and not os.path.exists(path + "-wal")
+    except OSError:
+        raise StorageError("could not open the memory database file") from None
+    connection = _open(f"file:{name}?mode=ro{'&immutable=1' * settled}", limits, uri=True)
+    try:
+        _check_file(connection)
+    except sqlite3.OperationalError as error:
+        if not getattr(error, "sqlite_errorname", "").startswith("SQLITE_READONLY"):
+            raise
+    finally:
+        connection.close()
 
 
 def _records(connection: sqlite3.Connection, ids: Sequence[int]) -> Iterator[Record]:
@@ -3546,13 +3604,15 @@ class Store:
             ).fetchall()
             (pages,) = connection.execute("PRAGMA page_count").fetchone()
             (page_size,) = connection.execute("PRAGMA page_size").fetchone()
-        sizes, places = {}, (self.path, os.path.dirname(os.path.abspath(self.path)))
+        path, real = os.path.abspath(self.path), os.path.realpath(self.path)  # and a link's
+        places = dict.fromkeys((path, os.path.dirname(path), real, os.path.dirname(real)))
+        sizes = {}
         for suffix in ("", "-journal", "-wal", "-shm"):  # the main file and its sidecars
             with contextlib.suppress(OSError):
                 sizes[suffix] = os.path.getsize(self.path + suffix)
         return {
             "path": self.path,
-            "readable_by_others": list(filter(_readable_by_others, places)),
+            "open_to_others": list(filter(_open_to_others, places)),
             "records": len(rows),
             "hidden_records": sum(not _shown(Record.from_row(row[1:])) for row in rows),
             "probation_records": sum(row[-1] is not None for row in rows),
@@ -3583,6 +3643,8 @@ class Store:
                     if connection.in_transaction:  # SQLITE_FULL may have rolled back already
                         connection.execute("ROLLBACK")
                     raise
+            except UnicodeDecodeError:  # SQLite's message quoting a schema name that is not UTF-8
+                raise StorageError(_DAMAGED) from None
             except sqlite3.Error as error:
                 failure = _storage_error(error)
                 if isinstance(failure, DatabaseCapacity) and self._disk_is_tighter():
@@ -3607,12 +3669,10 @@ class Store:
             self._connection.close()
             self._connection = None
         _prepare_file(self.path)
-        connection = sqlite3.connect(
-            self.path, timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-        )
-        connection.text_factory = _text
+        _inspect(self.path, self.limits)
+        connection = _open(self.path, self.limits, isolation_level=None, check_same_thread=False)
+        self._schema_cookie = -1  # a new connection, perhaps to another file: check it all
         try:
-            connection.execute("PRAGMA trusted_schema = OFF")
             self._check_file(connection)  # before anything writes: a refused file stays as it was
             connection.execute("PRAGMA journal_mode = DELETE")
             connection.execute(f"PRAGMA page_size = {_PAGE_SIZE_BYTES}")
@@ -3635,13 +3695,13 @@ class Store:
         return connection
 
     def _check_file(self, connection: sqlite3.Connection) -> int:
-        """The file's `user_version` (see `_schema_version`), its schema objects checked again
-        whenever they changed since the last look."""
-        found = _schema_version(connection)
+        """The file's `user_version`, the whole file checked again (`_check_file`) whenever its
+        schema changed since this connection last looked."""
         (cookie,) = connection.execute("PRAGMA schema_version").fetchone()
-        if cookie != self._schema_cookie:
-            _check_objects(connection)
-            self._schema_cookie = cookie
+        if cookie == self._schema_cookie:
+            return _schema_version(connection)
+        found = _check_file(connection)
+        self._schema_cookie = cookie
         return found
 
     def _prune(self, connection: sqlite3.Connection, now_ms: int) -> None:
@@ -3796,7 +3856,9 @@ def _parse_config(path: str, data: bytes) -> Config:
     try:
         document = tomllib.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
-        where = str(error) if isinstance(error, tomllib.TOMLDecodeError) else "not UTF-8"
+        # tomllib's message can quote a key or value from the file: name only where it is
+        place = re.search(r"at line \d+, column \d+|at end of document", str(error))
+        where = place.group() if place else "not UTF-8"
         raise ConfigError(f"config file {path} is not valid TOML ({where})") from None
     except RecursionError:  # arrays or inline tables nested thousands deep
         raise ConfigError(f"config file {path} is not valid TOML (nested too deeply)") from None
@@ -4414,8 +4476,8 @@ def _stats_command(store: Store, arguments: argparse.Namespace, config: Config |
     print(f"hidden         {stats['hidden_records']} (secret-shaped or malformed rows)")
     for suffix, size in stats["file_bytes"].items():
         print(f"file{suffix or ' (main)':<11}{size} bytes")
-    for place in stats["readable_by_others"]:
-        print(f"tactmem: warning: {place} is readable by group or others", file=sys.stderr)
+    for place in stats["open_to_others"]:
+        print(f"tactmem: warning: group or others may read or write {place}", file=sys.stderr)
 
 
 def _browse_command(store: Backend, _: argparse.Namespace, config: Config | None) -> None:
@@ -4595,6 +4657,10 @@ def _demo() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (0 ok, 1 refused, 2 usage)."""
+    if sys.stdout is None:  # started with its standard output closed (`tactmem list >&-`)
+        if sys.stderr is not None:
+            print("tactmem: standard output is closed", file=sys.stderr)
+        return 1
     for stream in (sys.stdout, sys.stderr):  # print what a narrow terminal encoding cannot
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]

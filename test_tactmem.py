@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import sqlite3
@@ -792,11 +793,62 @@ def test_stats_warns_when_others_can_read(
     status, out, err = run_cli(capsys, "--db", str(db), "stats")
     assert status == 0 and "records" in out
     assert err.splitlines() == [
-        f"tactmem: warning: {db} is readable by group or others",
-        f"tactmem: warning: {db.parent} is readable by group or others",
+        f"tactmem: warning: group or others may read or write {db}",
+        f"tactmem: warning: group or others may read or write {db.parent}",
     ]
     status, out, err = run_cli(capsys, "--db", str(db), "--json", "stats")
-    assert json.loads(out)["readable_by_others"] == [str(db), str(db.parent)] and err == ""
+    assert json.loads(out)["open_to_others"] == [str(db), str(db.parent)] and err == ""
+    db.chmod(0o620)  # writable by the group, readable by no one else: a planted file's way in
+    db.parent.chmod(0o700)
+    assert run_cli(capsys, "--db", str(db), "stats")[2] == (
+        f"tactmem: warning: group or others may read or write {db}\n"
+    )
+    db.chmod(0o600)
+    link_home = tmp_path / "links"
+    link_home.mkdir(mode=0o700)
+    (link_home / "memory.sqlite3").symlink_to(db)
+    db.parent.chmod(0o755)  # the file behind the link sits in an open directory
+    err = run_cli(capsys, "--db", str(link_home / "memory.sqlite3"), "stats")[2]
+    assert err == f"tactmem: warning: group or others may read or write {db.parent}\n"
+
+
+@pytest.mark.parametrize("device", ["/dev/null", "/dev/zero", "fifo"])
+def test_a_device_or_fifo_as_the_database_is_refused_before_sqlite_opens_it(
+    tmp_path: Path, device: str
+) -> None:
+    """Issue 13: no `/dev/null-journal` is ever made, and a FIFO cannot hang an open."""
+    path = Path(device) if device.startswith("/") else tmp_path / device
+    if device == "fifo":
+        os.mkfifo(path)
+    if not path.exists():
+        pytest.skip(f"{device} does not exist here")
+    before = {p.name for p in path.parent.iterdir()}
+    for operation in ("list", "put"):
+        with pytest.raises(StorageError, match="could not open the memory database file"):
+            store = Store(path)
+            store.list() if operation == "list" else store.put("x y z")
+    assert_one_line_refusal(cli("--db", str(path), "list"), "could not open the memory database")
+    assert {p.name for p in path.parent.iterdir()} == before
+
+
+@pytest.mark.parametrize("path", ["memory\0.sqlite3", "memory\ud800.sqlite3"])
+def test_a_path_no_file_can_have_is_a_storage_error(tmp_path: Path, path: str) -> None:
+    with pytest.raises(StorageError, match="could not prepare the memory directory"):
+        Store(tmp_path / path).list()
+    answer = MemoryTool(Store(tmp_path / path), root=True).call({"operation": "scan", "query": "x"})
+    assert answer["error"]["code"] == "storage_error"
+
+
+@pytest.mark.parametrize("now_ms", [2**70, -1, 1.5, True, "1"])
+def test_a_time_sqlite_cannot_store_is_invalid(db: Path, now_ms: Any) -> None:
+    with Store(db) as store:
+        with pytest.raises(tactmem.InvalidRequest, match="now_ms must be an integer"):
+            store.put("a conclusion", now_ms=now_ms)
+        answer = MemoryTool(store, root=True).call(
+            {"operation": "scan", "query": "x"}, now_ms=now_ms
+        )
+        assert answer["error"]["code"] == "invalid_request"
+        assert store.list() == ()
 
 
 # ============================================================================ store: beyond §12
@@ -2288,6 +2340,9 @@ def test_ref34_enabled_is_read_and_other_tables_are_ignored(tmp_path: Path) -> N
         ("memory = true\n", "[memory] in"),
         ("[memory\nenabled = true\n", "is not valid TOML"),
         ("[memory]\nenabled = true\nenabled = false\n", "is not valid TOML"),
+        # tomllib's own message quotes the key; the error names only where it is
+        ("[p]\nAKIAIOSFODNN7EXAMPLE = 1\nAKIAIOSFODNN7EXAMPLE = 2\n", "TOML (at line 3, column"),
+        ("[p]\nx = {zorblax = 1, zorblax = 2}\n", "is not valid TOML (at line 2, column"),
     ],
 )
 def test_ref34_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
@@ -2296,6 +2351,7 @@ def test_ref34_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: s
         load_config(path, environ={})
     assert message in str(raised.value) and str(path) in str(raised.value)
     assert "zorblax" not in str(raised.value) and "\n" not in str(raised.value)
+    assert "AKIA" not in str(raised.value)
 
 
 def test_config_that_is_not_utf8_is_a_clear_error(tmp_path: Path) -> None:
@@ -2500,23 +2556,30 @@ def test_tool_command_refuses_a_line_too_long_and_goes_on(tmp_path: Path) -> Non
     assert Store(db).list() == ()
 
 
+# Runs `python -m tactmem ARGS` under an address-space cap of 1 GiB (a runaway read fails fast
+# instead of eating the machine) and prints its exit status and peak memory from `wait4`. It
+# runs in a small process of its own because Linux counts the memory a process had before it
+# exec'd in its peak: a child forked straight from the test process would start at pytest's size.
+MEASURED_TACTMEM = """
+import os, resource, subprocess, sys
+def cap():
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+child = subprocess.Popen(
+    [sys.executable, "-m", "tactmem", *sys.argv[1:]], stdout=subprocess.DEVNULL, preexec_fn=cap
+)
+_, status, usage = os.wait4(child.pid, 0)
+print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)
+"""
+
+
 def peak_memory_kib(argv: Sequence[str], stdin: Any) -> tuple[int, bytes, int]:
-    """Run `tactmem` with an address-space cap of 1 GiB (so a runaway read fails fast instead of
-    eating the machine); its exit status, stderr and peak resident memory from `wait4`."""
-    import resource
-
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tactmem", *argv], stdin=stdin, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, cwd=HERE, env=subprocess_env(), preexec_fn=cap,
+    """Run capped `tactmem`: its exit status, stderr and peak resident memory in KiB."""
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURED_TACTMEM, *argv], stdin=stdin, capture_output=True,
+        cwd=HERE, env=subprocess_env(), timeout=120, check=True,
     )  # fmt: skip
-    assert child.stderr is not None
-    err = child.stderr.read()
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    return child.returncode, err, usage.ru_maxrss
+    status, peak = map(int, done.stdout.split())
+    return status, done.stderr, peak
 
 
 def test_put_from_stdin_reads_at_most_the_bound(tmp_path: Path) -> None:
@@ -2545,9 +2608,10 @@ def test_a_50_mb_put_through_the_tool_costs_no_memory(tmp_path: Path) -> None:
     10 MB of a one-line session's."""
     db = tmp_path / "memory.sqlite3"
     small, big = tmp_path / "small.jsonl", tmp_path / "big.jsonl"
-    small.write_bytes(json_lines({"operation": "scan", "query": "word"}))
+    scan = {"operation": "scan", "query": "word"}  # first, so the put passes the scan gate
+    small.write_bytes(json_lines(scan, {"operation": "put", "content": "word " * 100}, scan))
     huge = {"operation": "put", "content": "word " * 10_000_000}
-    big.write_bytes(json_lines(huge, {"operation": "scan", "query": "word"}))
+    big.write_bytes(json_lines(scan, huge, scan))
     peaks = []
     for source in (small, big):
         with source.open("rb") as stdin:
@@ -2555,7 +2619,23 @@ def test_a_50_mb_put_through_the_tool_costs_no_memory(tmp_path: Path) -> None:
         assert (status, err) == (0, b"")
         peaks.append(peak)
     assert peaks[1] < peaks[0] + 10_000, peaks  # KiB
-    assert Store(db).list() == ()
+    assert [r.content for r in Store(db).list()] == ["word " * 100]
+
+
+@pytest.mark.parametrize("argv", [["list"], ["tool"], ["scan", "rust"]])
+def test_a_closed_standard_output_is_one_line(db: Path, argv: list[str]) -> None:
+    command = " ".join(
+        [sys.executable, "-m", "tactmem", "--db", shlex.quote(str(db)), *argv, ">&-"]
+    )
+    done = subprocess.run(
+        ["sh", "-c", command],
+        capture_output=True,
+        text=True,
+        cwd=HERE,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert (done.returncode, done.stderr) == (1, "tactmem: standard output is closed\n")
 
 
 def test_a_read_names_at_most_the_record_bound(db: Path) -> None:
@@ -4130,6 +4210,33 @@ HOSTILE_FILES = {
     ),
     "index on content": planted("CREATE INDEX planted ON memories (content)"),
     "another table": planted("CREATE TABLE notes (body TEXT)"),
+    # SQLite reads U+00A0 as part of a word: `PRIMARY\u00a0KEY` is a type name, `id` no rowid
+    "a look-alike space": planted(
+        "CREATE TABLE memories ({})".format(
+            SHADOW_COLUMNS.replace("PRIMARY KEY", "PRIMARY\u00a0KEY")
+        ),
+        "PRAGMA user_version = 1",
+        fresh=True,
+    ),
+    # ANALYZE's table, renamed into place with a generated column asking for 480 MB per row
+    "a forged statistics table": planted(
+        "CREATE TABLE xstat (tbl, idx, stat AS (hex(zeroblob(480000000))))",
+        "INSERT INTO xstat (tbl, idx) VALUES ('memories', NULL)",
+        "PRAGMA writable_schema = ON",
+        "UPDATE sqlite_schema SET name = 'sqlite_stat1', tbl_name = 'sqlite_stat1',"
+        " sql = replace(sql, 'xstat', 'sqlite_stat1') WHERE name = 'xstat'",
+        "PRAGMA writable_schema = OFF",
+    ),
+    # a schema row whose name is not UTF-8 (SQLite's error message then quotes those bytes)
+    "a name that is not UTF-8": planted(
+        "PRAGMA writable_schema = ON",
+        "INSERT INTO sqlite_schema VALUES ('table', CAST(x'ff41' AS TEXT),"
+        " CAST(x'ff41' AS TEXT), 0, 'CREATE TABLE x (y)')",
+    ),
+    # an empty file whose text encoding is UTF-16: stored lengths would not be UTF-8 bytes
+    "UTF-16 text": planted(
+        "PRAGMA encoding = 'UTF-16le'", "CREATE TABLE t (x)", "DROP TABLE t", fresh=True
+    ),
     # another application's database: user_version 0, its own tables, WAL
     "foreign application": planted(
         "PRAGMA journal_mode = WAL",
@@ -4150,7 +4257,7 @@ def test_a_file_with_objects_tactmem_did_not_create_is_refused_untouched(
     db.parent.mkdir(exist_ok=True)
     prepare(db)
     before = db.read_bytes()
-    message = "the memory database file holds a "
+    message = "memory database file "
     store = Store(db)
     for operation in (
         store.list,
@@ -4160,9 +4267,8 @@ def test_a_file_with_objects_tactmem_did_not_create_is_refused_untouched(
         lambda: store.delete(Key(1, 1)),
         store._stats,
     ):
-        with pytest.raises(StorageError, match=message) as caught:
+        with pytest.raises(StorageError, match=message):
             operation()
-        assert str(caught.value).endswith("tactmem did not create; it was left as it was")
     for argv in (["list"], ["scan", "rust sqlite"], ["put", "another conclusion"], ["stats"]):
         assert_one_line_refusal(cli("--db", str(db), *argv), message)
     tool = run_tactmem("--db", str(db), "tool", stdin=json_lines(
@@ -4173,6 +4279,57 @@ def test_a_file_with_objects_tactmem_did_not_create_is_refused_untouched(
         assert json.loads(line)["error"]["code"] == "storage_error"
     assert db.read_bytes() == before
     assert sorted(p.name for p in db.parent.iterdir()) == [db.name]
+
+
+def test_a_wal_file_with_frames_is_refused_and_its_log_left_alone(db: Path) -> None:
+    """A planted trigger that lives only in a WAL file's log: the refusal reads the file
+    read-only, so SQLite never checkpoints the log into the main file (it may add the -shm
+    index it keeps beside a WAL file)."""
+    db.parent.mkdir(exist_ok=True)
+    a_store_file(db)
+    work = db.parent / "work.sqlite3"
+    shutil.copy(db, work)
+    writer = raw(work)
+    writer.execute("PRAGMA journal_mode = WAL")
+    writer.execute("PRAGMA wal_autocheckpoint = 0")
+    writer.execute("CREATE TRIGGER planted AFTER UPDATE ON memories BEGIN SELECT 1; END")
+    for suffix in ("", "-wal"):  # copied while the writer holds them: frames not checkpointed
+        shutil.copy(f"{work}{suffix}", f"{db}{suffix}")
+    writer.close()
+    wal = Path(f"{db}-wal")
+    before = (db.read_bytes(), wal.read_bytes())
+    assert len(before[1]) > 0
+    assert_one_line_refusal(cli("--db", str(db), "list"), "memory database file holds a trigger")
+    with pytest.raises(StorageError, match="holds a trigger"):
+        Store(db).scan("rust")
+    assert (db.read_bytes(), wal.read_bytes()) == before
+
+
+@pytest.mark.parametrize("how", ["replaced under an open store", "changed after close"])
+def test_a_file_changed_behind_a_store_is_checked_again(db: Path, how: str) -> None:
+    """The schema check remembers `PRAGMA schema_version` only for its own connection: a file
+    swapped in (or changed while the store was closed) with the same cookie is checked anew."""
+    store = Store(db)
+    store.put("rust sqlite first")
+    assert store.scan("rust").candidates
+    (cookie,) = raw(db).execute("PRAGMA schema_version").fetchone()
+    hostile = db.parent / "hostile.sqlite3" if how.startswith("replaced") else db
+    if how.startswith("changed"):
+        store.close()
+    else:
+        shutil.copy(db, hostile)
+    with contextlib.closing(raw(hostile)) as connection:
+        connection.execute(
+            "CREATE TRIGGER flood AFTER UPDATE ON memories BEGIN INSERT INTO memories (content,"
+            " normalized_identity, created_at_ms, updated_at_ms) SELECT 'p' || random(),"
+            " 'p' || random(), 0, 0 FROM memories; END"
+        )
+        connection.execute(f"PRAGMA schema_version = {cookie}")
+    if hostile != db:
+        os.replace(hostile, db)
+    with pytest.raises(StorageError, match="holds a trigger"):
+        store.scan("rust")
+    assert raw(db).execute("SELECT COUNT(*) FROM memories").fetchone() == (1,)
 
 
 @pytest.mark.parametrize(
@@ -4242,7 +4399,7 @@ def test_rows_of_the_wrong_type_are_hidden_never_a_traceback(db: Path) -> None:
     assert_one_line_refusal(cli("--db", str(db), "delete", "6@2"), "memory changed since")
     assert_one_line_refusal(
         cli("--db", str(db), "put", "a new conclusion"),
-        "the memory database's id allocator is not a whole number",
+        "memory database's id allocator is not a whole number",
     )
     mended = cli("--db", str(db), "--json", "put", "record four, replaced", "--replace", "4@1")
     memory = json.loads(mended.stdout)["memory"]
