@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import copy
 import itertools
 import json
 import math
@@ -1894,7 +1895,7 @@ def check_input_schema(step: Mapping[str, Any], where: str) -> None:
     verdict = step.get("input_schema", default)
     assert verdict in ("accepts", "rejects"), where
     assert ("input_schema" in step) == ("why" in step), f"{where}: say why the schema differs"
-    if error is None:
+    if error is None and "why" not in step:  # a null the strict schema allows, for one
         assert verdict == "accepts", f"{where}: a request that succeeds must match the schema"
     assert INPUT_SCHEMA.is_valid(request) == (verdict == "accepts"), f"{where}: schema {verdict}?"
 
@@ -2807,6 +2808,10 @@ def test_mcp_server_over_stdio_with_the_sdk_client(tmp_path: Path) -> None:
         kept = store.put("The child server may only scan and read.")
     tools, results = run(server("--child"), child_calls)
     assert [tool.name for tool in tools] == ["memory"]
+    child = tool_definition(flat=True, root=False)  # issue 14: the child is offered no writes
+    assert tools[0].input_schema == child["input_schema"]
+    assert tools[0].description == child["description"]
+    assert tools[0].input_schema["properties"]["operation"]["enum"] == ["scan", "read"]
     scan, read, put, delete = (result.structured_content for result in results)
     assert scan is not None and scan["candidates"][0]["key"] == {"id": 2, "version": 1}
     assert read is not None and read["memories"][0]["content"] == kept.content
@@ -2822,6 +2827,87 @@ def test_mcp_server_over_stdio_with_the_sdk_client(tmp_path: Path) -> None:
     assert weak == {"operation": "scan", "abstained": True, "candidates": [],
                     "reason": "low_coverage"}  # fmt: skip
     assert strong is not None and strong["candidates"][0]["coverage"] == 1.0
+
+
+# Keywords OpenAI's strict function calling refuses (issue 14), and what every object must say.
+STRICT_REFUSES = {"minLength", "maxLength", "minimum", "maximum", "default", "maxItems", "oneOf",
+                  "const", "pattern", "exclusiveMinimum"}  # fmt: skip
+
+
+def strict_problems(schema: Any, where: str = "$") -> Iterator[str]:
+    """Where `schema` breaks the strict-mode rules the issue lists (and OpenAI documents)."""
+    if isinstance(schema, dict):
+        for keyword in STRICT_REFUSES & schema.keys():
+            yield f"{where}: {keyword}"
+        if "enum" in schema and "type" not in schema:
+            yield f"{where}: enum without a type"
+        if schema.get("type") == "object" or "properties" in schema:
+            if schema.get("additionalProperties") is not False:
+                yield f"{where}: additionalProperties is not false"
+            if set(schema.get("required", ())) != set(schema.get("properties", {})):
+                yield f"{where}: not every property is required"
+        for key, value in schema.items():
+            yield from strict_problems(value, f"{where}.{key}")
+    elif isinstance(schema, list):
+        for index, value in enumerate(schema):
+            yield from strict_problems(value, f"{where}[{index}]")
+
+
+@pytest.mark.parametrize("root", [True, False])
+def test_the_strict_schema_is_what_strict_mode_accepts(root: bool) -> None:
+    """Issue 14: `strict=True` passes the strict rules and the openai-agents SDK's own strict
+    checker (which would rewrite a schema that is not strict already), means the same as the
+    other variants (the same operations and fields), and a child's offers no writes."""
+    from agents import FunctionTool
+    from agents.strict_schema import ensure_strict_json_schema
+
+    definition = tool_definition(strict=True, root=root)
+    schema = definition["input_schema"]
+    assert list(strict_problems(schema)) == []
+    assert schema["type"] == "object" and "anyOf" not in schema
+    assert ensure_strict_json_schema(copy.deepcopy(schema)) == schema
+    FunctionTool(
+        name=definition["name"], description=definition["description"], params_json_schema=schema,
+        on_invoke_tool=lambda _context, _arguments: None,  # type: ignore[arg-type,return-value]
+        strict_json_schema=True,
+    )  # fmt: skip
+    flat = tool_definition(flat=True, root=root)["input_schema"]
+    assert schema["properties"].keys() == flat["properties"].keys()
+    operations = ["scan", "read", "put", "delete"] if root else ["scan", "read"]
+    assert schema["properties"]["operation"]["enum"] == operations
+    assert definition["description"] == tool_definition(root=root)["description"]
+    assert ("put" in definition["description"]) is root
+
+
+def test_strict_clients_null_every_field_an_operation_does_not_use(db: Path) -> None:
+    """Issue 14: what a strict-mode client sends, every field present, works for all four
+    operations; `null` is absent only for known fields an operation does not require."""
+    blank = dict.fromkeys(tool_definition(strict=True)["input_schema"]["properties"])
+
+    def strict(**fields: Any) -> dict[str, Any]:
+        return {**blank, **fields}
+
+    with Store(db) as store:
+        tool = MemoryTool(store, root=True)
+        scan = tool.call(strict(operation="scan", query="strict mode"))
+        assert scan["operation"] == "scan" and scan["abstained"] is True
+        put = tool.call(strict(operation="put", content="Strict clients send every field."))
+        assert put["memory"]["key"] == {"id": 1, "version": 1} and put["replaced"] is False
+        read = tool.call(strict(operation="read", ids=[1]))
+        assert [m["key"]["id"] for m in read["memories"]] == [1]
+        tool.call(strict(operation="scan", query="strict"))
+        replaced = tool.call(
+            strict(operation="put", content="Replaced.", replace={"id": 1, "version": 1})
+        )
+        assert replaced["memory"]["key"] == {"id": 1, "version": 2}
+        delete = tool.call(strict(operation="delete", id=1, version=2))
+        assert delete == {"operation": "delete", "id": 1}
+        missing = tool.call(strict(operation="scan"))  # query is required: null is no query
+        assert missing["error"]["code"] == "invalid_request"
+        unknown = tool.call({"operation": "scan", "query": "x", "is_root": None})
+        assert unknown["error"]["code"] == "invalid_request"  # an unknown field stays one
+    for answer in (scan, put, read, replaced, delete, missing, unknown):
+        assert_output_shape(answer)
 
 
 def test_schema_numbers_come_from_the_limits_in_use(tmp_path: Path) -> None:
@@ -2879,15 +2965,20 @@ def test_flat_definition_for_hosts_that_refuse_one_of() -> None:
     assert not validator.is_valid({"operation": "scan", "query": "q", "is_root": True})
 
 
-def test_replace_null_is_refused_like_the_schema_refuses_it() -> None:
-    request = {"operation": "put", "content": "x", "replace": None}
+def test_replace_null_is_an_insert_as_strict_clients_mean_it() -> None:
+    """Issue 14 changed this: strict-mode clients send `"replace": null` for an insert, which
+    the strict schema allows (the `oneOf` schema still leaves the field out instead)."""
+    request = {"operation": "put", "content": "x y", "replace": None}
     assert not INPUT_SCHEMA.is_valid(request)
+    assert jsonschema.Draft202012Validator(tool_definition(strict=True)["input_schema"]).is_valid(
+        {**dict.fromkeys(tool_definition(strict=True)["input_schema"]["properties"]), **request}
+    )
     with fast_tmp() as directory, Store(Path(directory) / "m.sqlite3") as store:
         tool = MemoryTool(store, root=True)
         tool.call({"operation": "scan", "query": "x"}, now_ms=1)
         answer = tool.call(request, now_ms=2)
-        assert answer["error"]["code"] == "invalid_request"
-        assert store.list(now_ms=2) == ()
+        assert answer["memory"]["key"] == {"id": 1, "version": 1} and answer["replaced"] is False
+        assert [r.content for r in store.list(now_ms=2)] == ["x y"]
 
 
 def test_config_path_must_not_be_empty() -> None:
