@@ -3082,7 +3082,7 @@ class _RunFigures(NamedTuple):
     telemetry: Mapping[str, int]
     latency_ms: Mapping[str, tuple[float, ...]]  # per operation
     answer_bytes: Mapping[str, tuple[int, ...]]  # per scan and read answer
-    file_bytes: Mapping[str, int]  # per file suffix ("" is the main file)
+    file_bytes: Mapping[str, int]  # per file, named as in `_FILES`
     swept: Mapping[float, tuple[_ScanOutcome, ...]]  # `--sweep`: the scans at each point
 
 
@@ -3155,9 +3155,10 @@ def _costs(runs: Sequence[_RunFigures]) -> dict[str, Any]:
         cost[f"{operation}_tokens_mean"] = _mean(tokens)
         cost[f"{operation}_tokens_p95"] = _percentile(tokens, 95)
     files = [run.file_bytes for run in runs]
-    cost["main_file_bytes"] = max((sizes.get("", 0) for sizes in files), default=None)
+    cost["main_file_bytes"] = max((sizes.get("main", 0) for sizes in files), default=None)
     cost["sidecar_file_bytes"] = max(
-        (sum(size for suffix, size in sizes.items() if suffix) for sizes in files), default=None
+        (sum(size for name, size in sizes.items() if name != "main") for sizes in files),
+        default=None,
     )
     return cost
 
@@ -3412,6 +3413,10 @@ def _file_identity(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return (status.st_dev, status.st_ino)
+
+
+# The database file and the sidecars SQLite may keep beside it, as `stats` names them.
+_FILES: Final = {"main": "", "journal": "-journal", "wal": "-wal", "shm": "-shm"}
 
 
 def _open_to_others(path: str) -> bool:
@@ -3669,9 +3674,9 @@ class Store:
         path, real = os.path.abspath(self.path), os.path.realpath(self.path)  # and a link's
         places = dict.fromkeys((path, os.path.dirname(path), real, os.path.dirname(real)))
         sizes = {}
-        for suffix in ("", "-journal", "-wal", "-shm"):  # the main file and its sidecars
+        for name, suffix in _FILES.items():  # the main file and its sidecars
             with contextlib.suppress(OSError):
-                sizes[suffix] = os.path.getsize(self.path + suffix)
+                sizes[name] = os.path.getsize(self.path + suffix)
         return {
             "path": self.path,
             "open_to_others": list(filter(_open_to_others, places)),
@@ -4415,6 +4420,14 @@ def _number(text: str) -> int:
     return int(text)
 
 
+def _id_number(text: str) -> int:
+    """An id as typed: a whole number a row can have, so `read 0` is a usage error like
+    `read -1`."""
+    if re.fullmatch("[0-9]{1,19}", text) is None or not _addressable(int(text)):
+        raise argparse.ArgumentTypeError(f"expected an id from 1 to {_MAX_SQL_INT}")
+    return int(text)
+
+
 def _coverage(text: str) -> float:
     try:
         return _check_min_coverage(float(text))
@@ -4425,8 +4438,10 @@ def _coverage(text: str) -> float:
 def _parse_key_argument(text: str) -> Key:
     """`ID@VERSION` as typed on the command line."""
     match = re.fullmatch(r"([0-9]{1,19})@([0-9]{1,19})", text.strip())
-    if match is None:
-        raise argparse.ArgumentTypeError("a memory key is written ID@VERSION, for example 7@2")
+    if match is None or not all(_addressable(int(part)) for part in match.groups()):
+        raise argparse.ArgumentTypeError(
+            "a memory key is written ID@VERSION, both from 1, for example 7@2"
+        )
     return Key(int(match.group(1)), int(match.group(2)))
 
 
@@ -4459,8 +4474,8 @@ def _tool_request(arguments: argparse.Namespace, limits: Limits) -> dict[str, An
     if arguments.command == "read":
         return {"operation": "read", "ids": arguments.ids}
     if arguments.command == "put":
-        given = arguments.content
-        content = _read_stdin(limits.content_bytes) if given == "-" else given
+        given = arguments.content  # from stdin, trailing newlines go, as in `$(...)`
+        content = _read_stdin(limits.content_bytes).rstrip("\r\n") if given == "-" else given
         replace = {} if arguments.replace is None else {"replace": attrs.asdict(arguments.replace)}
         return {"operation": "put", "content": content, **replace}
     return {"operation": "delete", **attrs.asdict(arguments.key)}
@@ -4496,14 +4511,17 @@ _ABSTENTIONS: Final = {
 }
 
 
-def _operation_command(store: Backend, arguments: argparse.Namespace, _: Config | None) -> None:
+def _operation_command(store: Backend, arguments: argparse.Namespace, _: Config | None) -> int:
     """`scan`, `read`, `put`, `delete`: checked as the tool checks them, the tool's answer
-    with `--json`, else lines for a person. The person is trusted: no scan gate."""
+    with `--json`, else lines for a person. The person is trusted: no scan gate. Exit 3 when
+    nothing was found: a scan abstained, or a read found none of its ids."""
     request = _parse_request(_tool_request(arguments, store.limits), store.limits)
     now = _now_ms()
     value = _execute(store, request, now, getattr(arguments, "min_coverage", 0.0))
     for line in [_json(_answer(request, value))] if arguments.json else _human(request, value, now):
         print(line)
+    found = {"scan": lambda: not value.abstained, "read": lambda: bool(value)}
+    return 0 if found.get(request.operation, lambda: True)() else _NOTHING_FOUND
 
 
 def _list_command(store: Backend, arguments: argparse.Namespace, _: Config | None) -> None:
@@ -4536,8 +4554,8 @@ def _stats_command(store: Store, arguments: argparse.Namespace, config: Config |
     print(f"database bytes {stats['database_bytes']} of {limits['database_bytes']}")
     print(f"on probation   {stats['probation_records']}")
     print(f"hidden         {stats['hidden_records']} (secret-shaped or malformed rows)")
-    for suffix, size in stats["file_bytes"].items():
-        print(f"file{suffix or ' (main)':<11}{size} bytes")
+    for name, size in stats["file_bytes"].items():
+        print(f"{name + ' file':<15}{size} bytes")
     for place in stats["open_to_others"]:
         print(f"tactmem: warning: group or others may read or write {place}", file=sys.stderr)
 
@@ -4579,7 +4597,8 @@ def _serve_lines(tool: MemoryTool) -> None:
         sys.stdout.flush()
 
 
-_Run = Callable[[Store, argparse.Namespace, Config | None], None]
+_Run = Callable[[Store, argparse.Namespace, Config | None], int | None]
+_NOTHING_FOUND: Final = 3  # the exit status of a scan, read, delete or replace that found nothing
 # Each command: its summary, and what it runs on the selected store (None: it needs none).
 _COMMANDS: Final[dict[str, tuple[str, _Run | None]]] = {
     "scan": (
@@ -4622,7 +4641,7 @@ def _build_parser() -> _Parser:
     scan_limits = range(1, _DEFAULT_LIMITS.scan_results + 1)
     sub["scan"].add_argument("query")
     sub["scan"].add_argument("--limit", type=_number, choices=scan_limits, metavar="N")
-    sub["read"].add_argument("ids", metavar="ID", type=_number, nargs="+")
+    sub["read"].add_argument("ids", metavar="ID", type=_id_number, nargs="+")
     sub["put"].add_argument("content", help="the conclusion, or - to read it from stdin")
     sub["put"].add_argument("--replace", metavar="ID@VERSION", type=_parse_key_argument)
     sub["delete"].add_argument("key", metavar="ID@VERSION", type=_parse_key_argument)
@@ -4658,8 +4677,7 @@ def _run(arguments: argparse.Namespace) -> int:
         config = load_config(getattr(arguments, "config", None))
         path = memory_db_path(config.path)
     with Store(path) as store:
-        run(store, arguments, config)
-    return 0
+        return run(store, arguments, config) or 0
 
 
 def _demo() -> int:
@@ -4726,6 +4744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):  # print what a narrow terminal encoding cannot
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+    arguments = None
     try:
         arguments = _build_parser().parse_args(argv)
         status = _run(arguments)
@@ -4744,8 +4763,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tactmem: {_displayable(str(error))}", file=sys.stderr)  # it names a file
         return 2
     except TactmemError as error:
-        print(f"tactmem: {error}", file=sys.stderr)
-        return 1
+        if getattr(arguments, "json", False):  # the same object the tool answers with
+            print(_json(_error_answer(error)))
+        else:
+            print(f"tactmem: {error}", file=sys.stderr)
+        return _NOTHING_FOUND if isinstance(error, NotFound) else 1
     except OSError as error:  # standard streams or files the operating system refused
         print(f"tactmem: {error.strerror or 'input/output error'}", file=sys.stderr)
         return 1

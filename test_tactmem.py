@@ -1508,7 +1508,7 @@ def test_cli_put_from_stdin(
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("From stdin,\nwith two lines.\n"))
     assert run_cli(capsys, "--db", str(db), "put", "-")[:2] == (0, "stored #1 v1\n")
-    assert Store(db).list()[0].content == "From stdin,\nwith two lines.\n"
+    assert Store(db).list()[0].content == "From stdin,\nwith two lines."  # issue 14: no "\n"
 
 
 def test_cli_stats(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -1518,7 +1518,8 @@ def test_cli_stats(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert status == 0
     assert (stats["records"], stats["content_bytes"], stats["probation_records"]) == (1, 14, 1)
     assert stats["limits"]["records"] == 512
-    assert stats["file_bytes"][""] == stats["database_bytes"] == db.stat().st_size
+    assert stats["file_bytes"] == {"main": stats["database_bytes"]}  # issue 14: named, not ""
+    assert stats["database_bytes"] == db.stat().st_size
     status, out, _ = run_cli(capsys, "--db", str(db), "stats")
     assert "records        1 of 512" in out
 
@@ -1529,19 +1530,19 @@ def test_cli_stats(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["scan"], 2, "tactmem: usage: the following arguments are required: query"),
         (["frobnicate"], 2, "tactmem: usage: argument COMMAND takes one of 'scan'"),
         (["delete", "7"], 2, "tactmem: usage: argument ID@VERSION: a memory key is written"),
-        (["read", "x"], 2, "tactmem: usage: argument ID: expected a whole number (see"),
-        (["read", "٣"], 2, "tactmem: usage: argument ID: expected a whole number"),
-        (["read", "1_0"], 2, "tactmem: usage: argument ID: expected a whole number"),
-        (["read", "9" * 20], 2, "tactmem: usage: argument ID: expected a whole number"),
+        (["read", "x"], 2, "tactmem: usage: argument ID: expected an id from 1 to 9223"),
+        (["read", "٣"], 2, "tactmem: usage: argument ID: expected an id from 1"),
+        (["read", "1_0"], 2, "tactmem: usage: argument ID: expected an id from 1"),
+        (["read", "9" * 20], 2, "tactmem: usage: argument ID: expected an id from 1"),
         (["scan", "q", "--limit", "9"], 2, "tactmem: usage: argument --limit takes one of 1"),
         (["scan", "q", "--limit", "-1"], 2, "tactmem: usage: argument --limit: expected a whole"),
         (["scan", "  "], 1, "tactmem: memory scan query is empty"),
         (["scan", "q" * 513], 1, "tactmem: memory query exceeds the 512-byte limit"),
         (["put", "x" * 1025], 1, "tactmem: memory content exceeds the 1024-byte limit"),
-        (["put", "ok", "--replace", "1@2"], 1, "tactmem: memory was not found"),
+        (["put", "ok", "--replace", "1@2"], 3, "tactmem: memory was not found"),
         (["put", "   "], 1, "tactmem: memory content is empty"),
         (["put", "password = hunter22"], 1, "tactmem: memory content was rejected"),
-        (["delete", "7@1"], 1, "tactmem: memory was not found"),
+        (["delete", "7@1"], 3, "tactmem: memory was not found"),
     ],
 )
 def test_cli_errors_are_one_line(
@@ -1551,6 +1552,52 @@ def test_cli_errors_are_one_line(
     assert (got, out) == (status, "")
     assert err.startswith(message) and err.count("\n") == 1
     assert "hunter22" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "request_"),
+    [
+        (["put", "password = hunter22"], 1, {"operation": "put", "content": "password = hunter22"}),
+        (["put", "x" * 1025], 1, {"operation": "put", "content": "x" * 1025}),
+        (["scan", "  "], 1, {"operation": "scan", "query": "  "}),
+        (["delete", "7@1"], 3, {"operation": "delete", "id": 7, "version": 1}),
+        (["put", "ok", "--replace", "7@1"], 3,
+         {"operation": "put", "content": "ok", "replace": {"id": 7, "version": 1}}),
+        (["delete", "1@5"], 1, {"operation": "delete", "id": 1, "version": 5}),
+        (["put", "Stored once already."], 1,
+         {"operation": "put", "content": "Stored once already."}),
+    ],
+)  # fmt: skip
+def test_json_refusals_are_the_tools_error_object_on_stdout(
+    db: Path, capsys: pytest.CaptureFixture[str], argv: list[str], status: int,
+    request_: dict[str, Any],
+) -> None:  # fmt: skip
+    """Issue 14: with `--json` a refusal is `{"error": {"code", "message"}}` on stdout, exactly
+    what the tool answers to the same request, and nothing on stderr; exit 1, or 3 when
+    nothing was found (`not_found`)."""
+    Store(db).put("Stored once already.")
+    got, out, err = run_cli(capsys, "--db", str(db), "--json", *argv)
+    answer = json.loads(out)
+    assert (got, err) == (status, "") and (status == 3) == (answer["error"]["code"] == "not_found")
+    tool = MemoryTool(Store(db), root=True)
+    tool.call({"operation": "scan", "query": "anything"})  # the tool's put gate wants a scan
+    assert answer == tool.call(request_)
+
+
+@pytest.mark.parametrize(
+    ("argv", "status"),
+    [(["scan", "ledgerline"], 0), (["scan", "kubernetes"], 3), (["read", "1"], 0),
+     (["read", "1", "999"], 0), (["read", "999"], 3), (["delete", "999@1"], 3),
+     (["list"], 0), (["stats"], 0)],
+)  # fmt: skip
+def test_exit_statuses_say_whether_anything_was_found(
+    db: Path, capsys: pytest.CaptureFixture[str], argv: list[str], status: int
+) -> None:
+    """Issue 14's table: 0 done, 1 refused, 2 usage, 3 nothing found (a scan that abstained, a
+    read that found none of its ids, a delete or replace of an id with no record)."""
+    Store(db).put("In ledgerline, releases are tagged by CI.")
+    for json_flag in ([], ["--json"]):
+        assert run_cli(capsys, "--db", str(db), *json_flag, *argv)[0] == status, json_flag
 
 
 SECRET_WORD = "hunter_9f3k2q7zx"  # a made-up value that no message has any reason to contain
@@ -1617,23 +1664,27 @@ def test_cli_checks_a_query_as_the_tool_does(
     if abstains:
         assert answer == {"operation": "scan", "abstained": True, "candidates": [],
                           "reason": abstains}  # fmt: skip
-        assert (status, json.loads(out), err) == (0, answer, "")
+        assert (status, json.loads(out), err) == (3, answer, "")  # exit 3: nothing found
     else:
         assert answer["error"]["message"] == "memory scan query is empty"
-        assert (status, out, err) == (1, "", "tactmem: memory scan query is empty\n")
+        assert (status, json.loads(out), err) == (1, answer, "")  # issue 14: JSON on stdout
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["read", "0"], ["read", "1", "9" * 19], ["delete", "1@0"], ["put", "x", "--replace", "0@1"]],
-)
-def test_cli_refuses_ids_the_tool_refuses(
+    [["read", "0"], ["read", "1", "9" * 19], ["delete", "1@0"], ["put", "x", "--replace", "0@1"],
+     ["read", "-1"], ["delete", "5@0"]],
+)  # fmt: skip
+def test_cli_refuses_ids_no_row_can_have_as_usage_errors(
     db: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
 ) -> None:
+    """Issue 14: `read 0` is a usage error like `read -1` (it was the tool's invalid_request,
+    exit 1), and `delete 5@0` no longer reads as a conflict or a refusal."""
     status, out, err = run_cli(capsys, "--db", str(db), *argv)
-    assert (status, out) == (1, "")
-    assert re.fullmatch(r"tactmem: memory \w+( \w+)? (id|version) must be an integer from 1 to"
-                        r" 9223372036854775807\n", err), err  # fmt: skip
+    assert (status, out) == (2, "")
+    assert re.fullmatch(r"tactmem: usage: argument (ID|ID@VERSION|--replace): .* \(see tactmem"
+                        r" --help\)\n", err), err  # fmt: skip
+    assert "from 1" in err
     assert not db.exists()  # refused before the store was touched
 
 
@@ -1743,7 +1794,7 @@ def test_python_m_tactmem_in_a_subprocess(tmp_path: Path) -> None:
         [sys.executable, "-m", "tactmem", "--db", str(db), "delete", "3@1"],
         capture_output=True, text=True, cwd=HERE,
     )  # fmt: skip
-    assert (bad.returncode, bad.stderr) == (1, "tactmem: memory was not found\n")
+    assert (bad.returncode, bad.stderr) == (3, "tactmem: memory was not found\n")
 
 
 # ============================================================================ packaging
@@ -3713,7 +3764,7 @@ def test_min_coverage_is_checked_everywhere(db: Path, capsys: pytest.CaptureFixt
         assert (status, out) == (2, "") and "must be a number from 0 to 1" in err
     status, out, err = run_cli(capsys, "--db", str(db), "--json", "scan", "quarry deploy rollback",
                                "--min-coverage", "0.9")  # fmt: skip
-    assert (status, json.loads(out)["reason"], err) == (0, "low_coverage", "")
+    assert (status, json.loads(out)["reason"], err) == (3, "low_coverage", "")
     status, out, _ = run_cli(
         capsys, "--db", str(db), "scan", "quarry deploy", "--min-coverage", "1"
     )
