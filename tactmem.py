@@ -54,7 +54,8 @@ __all__ = [  # sorted; each is documented in the README
     "Backend", "Candidate", "Config", "ConfigError", "Conflict", "ContentCapacity",
     "ContentTooLarge", "DatabaseCapacity", "DiskFull", "Duplicate", "EmptyContent",
     "InvalidRequest", "Key",
-    "Limits", "MEMORY_INSTRUCTIONS", "MEMORY_REVIEW_CHECKPOINT", "MemoryTool", "NotFound",
+    "Limits", "MEMORY_INSTRUCTIONS", "MEMORY_REVIEW_CHECKPOINT", "MemoryDisabled", "MemoryTool",
+    "NotFound",
     "NotRoot", "QueryTooLarge", "RECOMMENDED_MIN_COVERAGE", "Record", "RecordCapacity",
     "ReviewCheckpoint", "ScanRequired",
     "ScanResult", "SecretRejected", "StorageError", "Store", "StoreBusy", "TactmemError",
@@ -620,6 +621,15 @@ class InvalidRequest(TactmemError):
 class ConfigError(TactmemError):
     code = "invalid_config"
     message = "the config file is invalid"
+
+
+class MemoryDisabled(ConfigError):
+    """The configuration in use does not enable memory (`[memory] enabled = true`)."""
+
+    code = "memory_disabled"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"memory is not enabled in {path}: set [memory] enabled = true")
 
 
 # ============================================================================ values (pure)
@@ -3944,8 +3954,9 @@ def _parse_config(path: str, data: bytes) -> Config:
 # ------------------------------------------------------------------------ MCP server
 
 
-def _serve_mcp(tool: MemoryTool) -> None:
-    """Serve `tool` over MCP stdio with the official SDK (the `tactmem[mcp]` extra)."""
+def _serve_mcp(tool: MemoryTool, off: TactmemError | None = None) -> None:
+    """Serve `tool` over MCP stdio with the official SDK (the `tactmem[mcp]` extra); when
+    memory is `off`, a tool that answers every call with that error and touches no store."""
     try:
         import anyio
         import mcp.types
@@ -3954,7 +3965,10 @@ def _serve_mcp(tool: MemoryTool) -> None:
     except ImportError:
         raise TactmemError("tactmem mcp needs the MCP SDK: pip install 'tactmem[mcp]'") from None
     # Flat: hosts such as Claude Code refuse a top-level oneOf.
-    memory = mcp.types.Tool(**tool_definition(flat=True, root=tool.root, limits=tool.store.limits))
+    definition = tool_definition(flat=True, root=tool.root, limits=tool.store.limits)
+    if off is not None:
+        definition["description"] = f"Disabled: {off}. Every call fails until it is enabled."
+    memory = mcp.types.Tool(**definition)
 
     async def list_tools(_context: object, _params: object) -> mcp.types.ListToolsResult:
         return mcp.types.ListToolsResult(tools=[memory])
@@ -3964,6 +3978,8 @@ def _serve_mcp(tool: MemoryTool) -> None:
     ) -> mcp.types.CallToolResult:
         if params.name != "memory":
             result = _error_answer(InvalidRequest("unknown tool"))
+        elif off is not None:
+            result = _error_answer(off)
         else:
             result = await anyio.to_thread.run_sync(tool.call, dict(params.arguments or {}))
         return mcp.types.CallToolResult(
@@ -3973,8 +3989,9 @@ def _serve_mcp(tool: MemoryTool) -> None:
         )
 
     server: Any = Server(
-        "tactmem", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool
-    )
+        "tactmem", version=__version__, instructions=None if off is None else f"{off}.",
+        on_list_tools=list_tools, on_call_tool=call_tool,
+    )  # fmt: skip
 
     async def serve() -> None:
         async with stdio_server() as (read_stream, write_stream):
@@ -4565,10 +4582,14 @@ def _browse_command(store: Backend, _: argparse.Namespace, config: Config | None
 
 
 def _serve_command(store: Backend, arguments: argparse.Namespace, config: Config | None) -> None:
-    if config is not None and not config.memory_enabled:
-        raise ConfigError(f"memory is not enabled in {config.path}: set [memory] enabled = true")
+    """`tool` and `mcp`. With memory off, `tool` refuses to start; `mcp` starts anyway (a host
+    shows a server that exits at once only as "connection closed") and says why: in its
+    instructions, its tool's description and every call's answer."""
+    off = None if config is None or config.memory_enabled else MemoryDisabled(config.path)
+    if off is not None and arguments.command == "tool":
+        raise off
     tool = MemoryTool(store, root=not arguments.child, min_coverage=arguments.min_coverage)
-    (_serve_lines if arguments.command == "tool" else _serve_mcp)(tool)
+    _serve_lines(tool) if arguments.command == "tool" else _serve_mcp(tool, off)
 
 
 def _serve_lines(tool: MemoryTool) -> None:

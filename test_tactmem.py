@@ -2525,7 +2525,7 @@ def json_lines(*requests: object) -> bytes:
     return b"".join(json.dumps(request).encode() + b"\n" for request in requests)
 
 
-@pytest.mark.parametrize("command", ["tool", "mcp"])
+@pytest.mark.parametrize("command", ["tool"])  # mcp starts and says why: see the next test
 def test_agent_commands_refuse_a_config_without_memory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
 ) -> None:
@@ -2541,6 +2541,41 @@ def test_agent_commands_refuse_a_config_without_memory(
     status, _, err = run_cli(capsys, "--config", str(bad), command)
     assert status == 1 and "is not valid TOML" in err and err.count("\n") == 1
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("child", [False, True])
+def test_mcp_with_memory_off_starts_and_says_why(tmp_path: Path, child: bool) -> None:
+    """Issue 14: with the README's `mcpServers` snippet and memory off (the default), a host
+    used to show only "Connection closed". Now the server starts, and its instructions, its
+    tool's description and every call's answer (with the SDK client) give the reason and the
+    fix; nothing touches the store."""
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    config = write_config(tmp_path, "[memory]\nenabled = false\n")
+    hint = f"memory is not enabled in {config}: set [memory] enabled = true"
+    parameters = StdioServerParameters(
+        command=sys.executable, cwd=str(HERE), env=subprocess_env(),
+        args=["-m", "tactmem", "--config", str(config), "mcp", *(["--child"] * child)],
+    )  # fmt: skip
+
+    async def session() -> tuple[Any, Any, list[Any]]:
+        async with Client(parameters) as client:
+            tools = (await client.list_tools()).tools
+            calls = [
+                await client.call_tool("memory", {"operation": "scan", "query": "anything"}),
+                await client.call_tool("memory", {"operation": "put", "content": "x y"}),
+            ]
+            return client.instructions, tools, calls
+
+    instructions, tools, calls = asyncio.run(asyncio.wait_for(session(), 60))
+    assert instructions == hint + "."
+    (tool,) = tools
+    assert tool.name == "memory" and hint in tool.description
+    for result in calls:
+        assert result.is_error is True
+        assert result.structured_content == {"error": {"code": "memory_disabled", "message": hint}}
+    assert not (tmp_path / "memory").exists()
 
 
 def test_db_and_config_together_is_a_usage_error(
