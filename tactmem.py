@@ -2438,7 +2438,7 @@ def _select(state: _Browser, position: int | None = None) -> _Browser:
 
 
 _EventKind = Literal[
-    "key", "char", "paste", "size", "loaded", "load_failed", "deleted", "delete_failed"
+    "key", "char", "paste", "size", "tick", "loaded", "load_failed", "deleted", "delete_failed"
 ]
 _Event = tuple[_EventKind, *tuple[Any, ...]]  # the values of each kind: see `_browse_step`
 _Effect = tuple[Literal["load", "delete", "quit"], *tuple[Any, ...]]  # ("delete", key)
@@ -2473,6 +2473,7 @@ def _delete_failed(state: _Browser, key: Key, code: str, message: str) -> _Step:
 # Events from the window and the store, each with its handler; they arrive even mid-delete.
 _ANSWERS: Final[dict[_EventKind, Callable[..., _Step]]] = {
     "size": lambda state, width, height: (attrs.evolve(state, width=width, height=height), []),
+    "tick": lambda state, now_ms: (attrs.evolve(state, now_ms=now_ms), []),  # ages move on
     "loaded": _loaded,
     "load_failed": lambda state, message: (
         attrs.evolve(state, status=f"Could not load memories: {message}"),
@@ -2509,7 +2510,8 @@ def _browse_step(state: _Browser, event: _Event) -> _Step:
 
     Events: ("key", name) for up, down, pgup, pgdn, enter, tab, esc, backspace, delete, ctrl-d,
     ctrl-r; ("char", c) for a typed character; ("paste", text); ("size", width, height);
-    ("loaded", records, now_ms); ("load_failed", message); ("deleted", key);
+    ("tick", now_ms), the clock the ages are shown against; ("loaded", records, now_ms);
+    ("load_failed", message); ("deleted", key);
     ("delete_failed", key, code, message). Effects: ("load",), ("delete", key), ("quit",).
     """
     answer = _ANSWERS.get(event[0])
@@ -2542,6 +2544,8 @@ def _act(
     match action:
         case "reload":
             return attrs.evolve(state, status=""), [("load",)]
+        case "quit" if state.query:  # Esc clears a typed filter before it quits
+            return _select(attrs.evolve(state, query="")), []
         case "quit":
             return state, [("quit",)]
         case "back":
@@ -2579,7 +2583,9 @@ def _browse_screen(state: _Browser, width: int, height: int) -> list[tuple[str, 
     footer = state.status or (
         "↑↓ scroll · PgUp/PgDn · d delete · r reload · Esc back"
         if state.view == "detail"
-        else "type to filter · ↑↓ · Enter open · f sort · Ctrl+D delete · Ctrl+R reload · Esc quit"
+        else "Esc clear filter · Enter open · f sort · Ctrl+D delete · Ctrl+R reload"
+        if state.query
+        else "type to filter · Enter open · f sort · Ctrl+D delete · Ctrl+R reload · Esc quit"
     )
     body = lines[: height - 1]
     screen = [*body, *[("", "")] * (height - 1 - len(body)), ("status", " " + footer)]
@@ -4082,9 +4088,11 @@ def _browse_loop(screen: Any, store: Backend, enabled: bool | None) -> None:
             with contextlib.suppress(curses.error):  # the bottom-right cell cannot be written
                 screen.addstr(row, 0, text, styles.get(style, curses.A_NORMAL))
         screen.refresh()
+        screen.timeout(_TICK_MS)
         try:
             key = screen.get_wch()
-        except curses.error:
+        except curses.error:  # no key within the tick: show the ages as they are now
+            state, _ = _browse_step(state, ("tick", _now_ms()))
             continue
         if key == "\x1b" and _next_key_waiting(screen):
             continue  # Alt+key arrives as Esc then the key: neither quits nor filters
@@ -4094,6 +4102,9 @@ def _browse_loop(screen: Any, store: Backend, enabled: bool | None) -> None:
             state, effects = _browse_step(state, event)
             if state.confirm is not None and state.confirm != asked:
                 curses.flushinp()  # only a press after the question confirms it, not a repeat
+
+
+_TICK_MS: Final = 15_000  # how often an idle browser redraws, so that its ages stay true
 
 
 def _next_key_waiting(screen: Any) -> bool:

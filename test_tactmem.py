@@ -3131,6 +3131,28 @@ def test_browser_selection_follows_the_id_across_filter_reload_and_delete() -> N
     assert state.selected is not None and 2 not in ids(state)
 
 
+def test_browser_esc_clears_a_typed_filter_before_it_quits() -> None:
+    """Issue 14: Esc with a filter typed used to quit; now it clears the filter, and only an
+    Esc with no filter quits. The footer says which it will do."""
+    state, effects = press(loaded(rec(1, content="alpha"), rec(2, content="beta")), "b", "e")
+    assert ids(state) == [2] and "Esc clear filter" in screen_text(state)
+    state, effects = press(state, "esc")
+    assert (state.query, effects, sorted(ids(state))) == ("", [], [1, 2])
+    assert "Esc quit" in screen_text(state)
+    assert press(state, "esc")[1] == [("quit",)]
+
+
+def test_browser_ages_move_on_with_the_clock() -> None:
+    """Issue 14: ages were those of the last load until a reload; an idle browser now gets a
+    ("tick", now_ms) event every `_TICK_MS` and shows the ages as they are."""
+    hour = 3_600_000
+    state = loaded(rec(1, updated=0), now_ms=60_000)
+    state, _ = press(state, "enter")
+    assert "(1m ago)" in screen_text(state) and tactmem._TICK_MS <= 60_000
+    state, effects = step(state, ("tick", 3 * hour))
+    assert effects == [] and "(3h ago)" in screen_text(state) and state.view == "detail"
+
+
 def test_browser_backspace_removes_a_whole_grapheme_and_ids_are_searchable() -> None:
     state = loaded(*(rec(i) for i in range(1, 13)))
     for typed, left in [
@@ -3453,6 +3475,26 @@ class Terminal:
         finally:
             os.close(self.master)
             os.close(self.slave)
+
+
+def test_browse_esc_clears_the_filter_in_a_real_terminal(db: Path) -> None:
+    with Store(db) as store:
+        store.put("In the ledgerline repository, releases are tagged by CI.")
+        store.put("The user prefers small, reviewable commits.")
+    terminal = Terminal(["--db", str(db), "browse"])
+    try:
+        terminal.wait_for("Sort: Most useful")
+        terminal.press("l", "e", "d", "g")
+        screen = terminal.wait_for("Esc clear filter")
+        assert "Filter: ledg" in screen and "reviewable" not in screen
+        terminal.press("esc")
+        screen = terminal.wait_for("Esc quit")
+        assert "Filter: ledg" not in screen and "reviewable" in screen and "ledgerline" in screen
+        assert terminal.process.poll() is None  # still browsing
+        terminal.press("esc")
+        assert terminal.close() == 0
+    finally:
+        terminal.process.kill()
 
 
 def telemetry(path: Path) -> list[tuple[int, ...]]:
