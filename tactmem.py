@@ -3960,9 +3960,10 @@ def _parse_config(path: str, data: bytes) -> Config:
 # ------------------------------------------------------------------------ MCP server
 
 
-def _serve_mcp(tool: MemoryTool, off: TactmemError | None = None) -> None:
+def _serve_mcp(tool: MemoryTool | None, off: TactmemError | None, *, root: bool) -> None:
     """Serve `tool` over MCP stdio with the official SDK (the `tactmem[mcp]` extra); when
-    memory is `off`, a tool that answers every call with that error and touches no store."""
+    memory is `off` (disabled, or the config is broken), a tool that answers every call with
+    that error and touches no store."""
     try:
         import anyio
         import mcp.types
@@ -3971,7 +3972,8 @@ def _serve_mcp(tool: MemoryTool, off: TactmemError | None = None) -> None:
     except ImportError:
         raise TactmemError("tactmem mcp needs the MCP SDK: pip install 'tactmem[mcp]'") from None
     # Flat: hosts such as Claude Code refuse a top-level oneOf.
-    definition = tool_definition(flat=True, root=tool.root, limits=tool.store.limits)
+    limits = _DEFAULT_LIMITS if tool is None else tool.store.limits
+    definition = tool_definition(flat=True, root=root, limits=limits)
     if off is not None:
         definition["description"] = f"Disabled: {off}. Every call fails until it is enabled."
     memory = mcp.types.Tool(**definition)
@@ -3984,8 +3986,8 @@ def _serve_mcp(tool: MemoryTool, off: TactmemError | None = None) -> None:
     ) -> mcp.types.CallToolResult:
         if params.name != "memory":
             result = _error_answer(InvalidRequest("unknown tool"))
-        elif off is not None:
-            result = _error_answer(off)
+        elif off is not None or tool is None:
+            result = _error_answer(off or StorageError())
         else:
             result = await anyio.to_thread.run_sync(tool.call, dict(params.arguments or {}))
         return mcp.types.CallToolResult(
@@ -4080,6 +4082,7 @@ def _browse_loop(screen: Any, store: Backend, enabled: bool | None) -> None:
                 effects.extend(more)
             if effect[0] == "delete":
                 curses.flushinp()  # keys held or typed during the delete are not presses
+        state, _ = _browse_step(state, ("tick", _now_ms()))  # ages as of this redraw
         height, width = screen.getmaxyx()
         if (width, height) != (state.width, state.height):
             state, _ = _browse_step(state, ("size", width, height))
@@ -4091,8 +4094,7 @@ def _browse_loop(screen: Any, store: Backend, enabled: bool | None) -> None:
         screen.timeout(_TICK_MS)
         try:
             key = screen.get_wch()
-        except curses.error:  # no key within the tick: show the ages as they are now
-            state, _ = _browse_step(state, ("tick", _now_ms()))
+        except curses.error:  # no key within the tick: redraw, so the ages move on
             continue
         if key == "\x1b" and _next_key_waiting(screen):
             continue  # Alt+key arrives as Esc then the key: neither quits nor filters
@@ -4474,18 +4476,21 @@ def _parse_key_argument(text: str) -> Key:
 
 
 def _read_stdin(limit: int) -> str:
-    """Standard input as the content of a put: at most `limit` bytes are read, and one more
-    byte means the content is too large (nothing beyond it is read)."""
+    """Standard input as the content of a put, less the one newline `echo` ends it with: at
+    most `limit` bytes and a `\r\n` are read, and one byte more means the content is too
+    large (nothing beyond it is read)."""
     if sys.stdin is None:
         raise InvalidRequest("there is no standard input to read the content from")
     stream = getattr(sys.stdin, "buffer", sys.stdin)  # bytes, unless stdin was replaced by text
-    data = stream.read(limit + 1)
-    if len(data) > limit:
-        raise ContentTooLarge(limit)
+    data = stream.read(limit + 3)  # fewer than asked means all of it
     try:
-        return data if isinstance(data, str) else data.decode("utf-8")
+        text = data if isinstance(data, str) else data.decode("utf-8")
     except UnicodeDecodeError:
         raise InvalidRequest("standard input is not valid UTF-8 text") from None
+    text = text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
+    if len(text.encode("utf-8", "surrogatepass")) > limit:
+        raise ContentTooLarge(limit)
+    return text
 
 
 def _json(value: object) -> str:
@@ -4502,8 +4507,8 @@ def _tool_request(arguments: argparse.Namespace, limits: Limits) -> dict[str, An
     if arguments.command == "read":
         return {"operation": "read", "ids": arguments.ids}
     if arguments.command == "put":
-        given = arguments.content  # from stdin, trailing newlines go, as in `$(...)`
-        content = _read_stdin(limits.content_bytes).rstrip("\r\n") if given == "-" else given
+        given = arguments.content
+        content = _read_stdin(limits.content_bytes) if given == "-" else given
         replace = {} if arguments.replace is None else {"replace": attrs.asdict(arguments.replace)}
         return {"operation": "put", "content": content, **replace}
     return {"operation": "delete", **attrs.asdict(arguments.key)}
@@ -4600,7 +4605,7 @@ def _serve_command(store: Backend, arguments: argparse.Namespace, config: Config
     if off is not None and arguments.command == "tool":
         raise off
     tool = MemoryTool(store, root=not arguments.child, min_coverage=arguments.min_coverage)
-    _serve_lines(tool) if arguments.command == "tool" else _serve_mcp(tool, off)
+    _serve_lines(tool) if arguments.command == "tool" else _serve_mcp(tool, off, root=tool.root)
 
 
 def _serve_lines(tool: MemoryTool) -> None:
@@ -4706,7 +4711,13 @@ def _run(arguments: argparse.Namespace) -> int:
             raise _UsageError("use --db or --config, not both")
         path = arguments.db
     else:
-        config = load_config(getattr(arguments, "config", None))
+        try:
+            config = load_config(getattr(arguments, "config", None))
+        except ConfigError as error:
+            if arguments.command != "mcp":
+                raise
+            _serve_mcp(None, error, root=not arguments.child)  # the host shows why
+            return 0
         path = memory_db_path(config.path)
     with Store(path) as store:
         return run(store, arguments, config) or 0
@@ -4768,7 +4779,8 @@ def _demo() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status (0 ok, 1 refused, 2 usage)."""
+    """Run the command line; return the exit status (0 ok, 1 refused, 2 usage, 3 nothing
+    found)."""
     if sys.stdout is None:  # started with its standard output closed (`tactmem list >&-`)
         if sys.stderr is not None:
             print("tactmem: standard output is closed", file=sys.stderr)
@@ -4792,10 +4804,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tactmem: usage: {error} (see tactmem --help)", file=sys.stderr)
         return 2
     except _BadScenario as error:  # exit 1 is kept for a missed threshold
-        print(f"tactmem: {_displayable(str(error))}", file=sys.stderr)  # it names a file
+        if getattr(arguments, "json", False):
+            print(_json(_error_answer(error)))
+        else:
+            print(f"tactmem: {_displayable(str(error))}", file=sys.stderr)  # it names a file
         return 2
     except TactmemError as error:
-        if getattr(arguments, "json", False):  # the same object the tool answers with
+        mcp_channel = getattr(arguments, "command", None) == "mcp"  # stdout speaks JSON-RPC
+        if getattr(arguments, "json", False) and not mcp_channel:  # the tool's own object
             print(_json(_error_answer(error)))
         else:
             print(f"tactmem: {error}", file=sys.stderr)

@@ -1511,6 +1511,37 @@ def test_cli_put_from_stdin(
     assert Store(db).list()[0].content == "From stdin,\nwith two lines."  # issue 14: no "\n"
 
 
+@pytest.mark.parametrize(
+    ("stdin", "stored"),
+    [(b"a" * 1024 + b"\n", "a" * 1024), (b"a" * 1024 + b"\r\n", "a" * 1024),
+     (b"two lines\n\n", "two lines\n"), (b"no newline", "no newline"),
+     (b"a" * 1025 + b"\n", None), (b"a" * 1023 + b"\n\n", "a" * 1023 + "\n")],
+)  # fmt: skip
+def test_put_from_stdin_drops_the_newline_echo_adds(
+    db: Path, stdin: bytes, stored: str | None
+) -> None:
+    """`echo … | tactmem put -` stores what was echoed: one trailing newline is dropped before
+    the bound is checked, so a 1,024-byte line fits."""
+    done = run_tactmem("--db", str(db), "put", "-", stdin=stdin)
+    if stored is None:
+        assert done.returncode == 1 and b"exceeds the 1024-byte limit" in done.stderr
+        assert not db.exists() or Store(db).list() == ()
+    else:
+        assert (done.returncode, done.stderr) == (0, b"")
+        assert [r.content for r in Store(db).list()] == [stored]
+
+
+def test_eval_json_refusals_are_error_objects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": "jump"}\n', encoding="utf-8")
+    for argv in (["eval", str(bad)], ["eval", "--paired", str(tmp_path / "missing.json")]):
+        status, out, err = run_cli(capsys, "--json", *argv)
+        assert (status, err) == (2, "")
+        assert json.loads(out)["error"]["code"] == "invalid_scenario"
+
+
 def test_cli_stats(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_cli(capsys, "--db", str(db), "put", "one conclusion")
     status, out, _ = run_cli(capsys, "--db", str(db), "--json", "stats")
@@ -2576,6 +2607,35 @@ def test_mcp_with_memory_off_starts_and_says_why(tmp_path: Path, child: bool) ->
         assert result.is_error is True
         assert result.structured_content == {"error": {"code": "memory_disabled", "message": hint}}
     assert not (tmp_path / "memory").exists()
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[memory]\nenabeld = true\n", "[memory\n", None],
+    ids=["unknown key", "not TOML", "missing"],
+)
+def test_mcp_with_a_broken_config_starts_and_says_why(tmp_path: Path, text: str | None) -> None:
+    """A config `tactmem mcp` cannot read is served like memory off: the host sees the error
+    instead of "Connection closed", and stdout (the JSON-RPC channel) carries nothing else."""
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    config = write_config(tmp_path, text) if text is not None else tmp_path / "missing.toml"
+    parameters = StdioServerParameters(
+        command=sys.executable, cwd=str(HERE), env=subprocess_env(),
+        args=["-m", "tactmem", "--json", "--config", str(config), "mcp"],
+    )  # fmt: skip
+
+    async def session() -> tuple[Any, Any]:
+        async with Client(parameters) as client:
+            result = await client.call_tool("memory", {"operation": "scan", "query": "x"})
+            return client.instructions, result
+
+    instructions, result = asyncio.run(asyncio.wait_for(session(), 60))
+    assert result.is_error is True and result.structured_content is not None
+    error = result.structured_content["error"]
+    assert error["code"] == "invalid_config" and str(config) in error["message"]
+    assert instructions == error["message"] + "."
 
 
 def test_db_and_config_together_is_a_usage_error(
