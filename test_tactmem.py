@@ -5250,6 +5250,58 @@ def test_openai_agents_strict_checker_on_the_other_variants() -> None:
     assert list(strict_problems(rewritten)) != []
 
 
+def test_every_python_block_in_the_readme_runs(
+    tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Each ```python block of README.md, in order, in one namespace (later blocks continue
+    earlier ones): from a temporary directory, with a config there that enables memory, and
+    each host snippet's `client` (and the agents SDK's default client) pointing at a stub model
+    that scans once and then answers. A block that cannot run fails here."""
+    import openai
+    from agents import set_tracing_disabled
+    from agents.models import _openai_shared
+
+    blocks = readme_python_blocks()
+    assert len(blocks) == 7  # the loader found them: API, setup, four hosts, review checkpoint
+    scan = strict_arguments(operation="scan", query="ledgerline releases")
+    stub = stubs({
+        "/v1/chat/completions": [chat_answer(("c1", scan)), chat_answer(text="chat done")],
+        "/v1/responses": [responses_answer(("r1", scan)), responses_answer(text="responses done"),
+                          responses_answer(("a1", scan)), responses_answer(text="agents done")],
+        "/v1/messages": [messages_answer(("m1", json.loads(scan))),
+                         messages_answer(text="messages done")],
+    })  # fmt: skip
+    home = tmp_path / "tact"
+    home.mkdir()
+    (home / "config.toml").write_text("[memory]\nenabled = true\n")
+    monkeypatch.setenv("TACT_HOME", str(home))
+    monkeypatch.delenv("TACT_CONFIG", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "nohome"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    set_tracing_disabled(True)
+    monkeypatch.setattr(
+        _openai_shared, "_default_openai_client",
+        openai.AsyncOpenAI(base_url=stub.origin + "/v1", api_key="sk-test-dummy", max_retries=0),
+    )  # fmt: skip
+    monkeypatch.setattr(_openai_shared, "_use_responses_by_default", True)
+    namespace: dict[str, Any] = {"__name__": "readme"}
+    for block in blocks:
+        if "client.messages." in block:
+            namespace["client"] = anthropic_client(stub)
+        elif "client." in block:
+            namespace["client"] = openai_client(stub)
+        exec(compile(block, "README.md", "exec"), namespace)
+    printed = capsys.readouterr().out
+    assert printed.endswith("chat done\nresponses done\nmessages done\nagents done\n")
+    assert stub.answers == {"/v1/chat/completions": [], "/v1/responses": [], "/v1/messages": []}
+    assert os.listdir(tmp_path / "cwd") == ["example-memory.sqlite3"]
+    assert (home / "memory" / "v1.sqlite3").is_file()
+    assert namespace["instructions"].endswith(MEMORY_INSTRUCTIONS)
+    assert namespace["review"].prompt("next")[1].endswith(MEMORY_REVIEW_CHECKPOINT)
+
+
 def test_readme_mcp_servers_snippet_with_the_sdk_client(tmp_path: Path) -> None:
     """The README's `mcpServers` entries as a host runs them (`tactmem` as `python -m
     tactmem`, the same command), on a config that enables memory: the `memory` server offers
