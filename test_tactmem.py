@@ -17,6 +17,7 @@ import ast
 import asyncio
 import contextlib
 import copy
+import io
 import itertools
 import json
 import math
@@ -4941,6 +4942,15 @@ def readme_block(marker: str) -> str:
     return block
 
 
+def run_snippet(block: str, namespace: dict[str, Any]) -> str:
+    """Runs a README block in `namespace` and returns what it printed. (Only stdout is swapped:
+    the mcp SDK, which openai-agents imports, binds `sys.stderr` as a default argument.)"""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(block, "README.md", "exec"), namespace)
+    return printed.getvalue()
+
+
 def strict_arguments(**fields: Any) -> str:
     """A tool call as a strict-mode model writes it: every field, `null` where unused."""
     arguments = {**dict.fromkeys(STRICT["input_schema"]["properties"]), **fields}
@@ -5041,9 +5051,8 @@ def test_the_stub_model_and_the_loopback_guard(
 
 
 def test_openai_chat_completions_strict_snippet(
-    tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
-    capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+    tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
+) -> None:
     """The README's Chat Completions loop with the `openai` SDK: a strict function tool as the
     API sees it, two parallel calls in one message (a scan with every other field null, a read),
     both answered with `tool` messages in the second request, then the model's text."""
@@ -5055,10 +5064,10 @@ def test_openai_chat_completions_strict_snippet(
     with Store(tmp_path / "memory.sqlite3") as store:
         store.put(LEDGERLINE)
         namespace = host_namespace(store, openai_client(stub))
-        exec(readme_block("client.chat.completions.create"), namespace)
+        printed = run_snippet(readme_block("client.chat.completions.create"), namespace)
         (record,) = store.list()
         assert store.read([1])[0].use_count == 2  # the model's read, then this one
-    assert capsys.readouterr().out == "CI tags them.\n"
+    assert printed == "CI tags them.\n"
     first, second = stub.bodies(path)
     assert [headers["authorization"] for _, headers, _ in stub.requests] == [
         "Bearer sk-test-dummy"
@@ -5088,9 +5097,8 @@ def test_openai_chat_completions_strict_snippet(
 
 
 def test_openai_responses_strict_snippet(
-    tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
-    capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+    tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
+) -> None:
     """The README's Responses API loop with the `openai` SDK: a strict function tool in the
     Responses shape, a scan and then (next turn) a put, each answered with a
     `function_call_output` item after the model's own items, then the output text; the put is
@@ -5105,9 +5113,9 @@ def test_openai_responses_strict_snippet(
     with Store(tmp_path / "memory.sqlite3") as store:
         store.put(LEDGERLINE)
         namespace = host_namespace(store, openai_client(stub))
-        exec(readme_block("client.responses.create"), namespace)
+        printed = run_snippet(readme_block("client.responses.create"), namespace)
         assert [r.content for r in store.list()] == [LEDGERLINE, conclusion]
-    assert capsys.readouterr().out == "Stored.\n"
+    assert printed == "Stored.\n"
     first, second, third = stub.bodies(path)
     assert first["tools"] == [{
         "type": "function", "name": "memory", "description": STRICT["description"],
@@ -5129,9 +5137,8 @@ def test_openai_responses_strict_snippet(
 
 
 def test_anthropic_messages_snippet(
-    tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
-    capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
+    tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
+) -> None:
     """The README's Messages loop with the `anthropic` SDK: the flat schema (no top-level
     `oneOf`) as `input_schema`, a `tool_use` block with the fields a flat schema lets the model
     leave out left out, answered by a `tool_result` in a user turn after the model's own turn,
@@ -5144,12 +5151,14 @@ def test_anthropic_messages_snippet(
     with Store(tmp_path / "memory.sqlite3") as store:
         store.put(LEDGERLINE)
         namespace = host_namespace(store, anthropic_client(stub))
-        exec(readme_block("client.messages.create"), namespace)
+        printed = run_snippet(readme_block("client.messages.create"), namespace)
         assert [r.content for r in store.list()] == [LEDGERLINE]
-    assert capsys.readouterr().out == "CI tags them.\n"
+    assert printed == "CI tags them.\n"
     first, second = stub.bodies(path)
     headers = stub.requests[0][1]
-    assert "sk-ant-test-dummy" in (headers.get("x-api-key", "") + headers.get("authorization", ""))
+    key = "sk-ant-test-dummy"  # anthropic 2.x sends the key as a bearer token, 0.x as x-api-key
+    assert headers.get("authorization") == f"Bearer {key}" or headers.get("x-api-key") == key
+    assert "anthropic-version" in headers
     assert first["tools"] == [{"name": "memory", "description": FLAT["description"],
                                "input_schema": FLAT["input_schema"]}]  # fmt: skip
     assert first["tools"][0]["input_schema"]["type"] == "object"
@@ -5175,7 +5184,7 @@ def test_anthropic_messages_snippet(
 @pytest.mark.parametrize("api", ["responses", "chat_completions"])
 def test_openai_agents_function_tool_snippet(
     api: str, tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """The README's openai-agents snippet, through the SDK's own Runner with its default client
     pointed at the stub (both of its OpenAI models: Responses, the default, and Chat
@@ -5205,9 +5214,9 @@ def test_openai_agents_function_tool_snippet(
     with Store(tmp_path / "memory.sqlite3") as store:
         store.put(LEDGERLINE)
         namespace = host_namespace(store, None)
-        exec(readme_block("Runner.run_sync"), namespace)
+        printed = run_snippet(readme_block("Runner.run_sync"), namespace)
         assert store.read([1])[0].scan_count == 1  # the model's scan ran, through the Runner
-    assert capsys.readouterr().out == "CI tags them.\n"
+    assert printed == "CI tags them.\n"
     assert namespace["memory"].params_json_schema == STRICT["input_schema"]
     assert namespace["memory"].strict_json_schema is True
     first, second = stub.bodies(path)
@@ -5252,7 +5261,7 @@ def test_openai_agents_strict_checker_on_the_other_variants() -> None:
 
 def test_every_python_block_in_the_readme_runs(
     tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """Each ```python block of README.md, in order, in one namespace (later blocks continue
     earlier ones): from a temporary directory, with a config there that enables memory, and
@@ -5287,13 +5296,13 @@ def test_every_python_block_in_the_readme_runs(
     )  # fmt: skip
     monkeypatch.setattr(_openai_shared, "_use_responses_by_default", True)
     namespace: dict[str, Any] = {"__name__": "readme"}
+    printed = ""
     for block in blocks:
         if "client.messages." in block:
             namespace["client"] = anthropic_client(stub)
         elif "client." in block:
             namespace["client"] = openai_client(stub)
-        exec(compile(block, "README.md", "exec"), namespace)
-    printed = capsys.readouterr().out
+        printed += run_snippet(block, namespace)
     assert printed.endswith("chat done\nresponses done\nmessages done\nagents done\n")
     assert stub.answers == {"/v1/chat/completions": [], "/v1/responses": [], "/v1/messages": []}
     assert os.listdir(tmp_path / "cwd") == ["example-memory.sqlite3"]
