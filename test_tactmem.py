@@ -17,6 +17,7 @@ import ast
 import asyncio
 import contextlib
 import copy
+import io
 import itertools
 import json
 import math
@@ -4901,3 +4902,510 @@ def test_case_blind_shapes_are_written_in_lower_case() -> None:
     for name, _, _, source, flags, _ in (*tactmem._CREDENTIAL_SHAPES, *tactmem._TOKEN_SHAPES):
         if flags & re.IGNORECASE:
             assert not re.search(r"(?<!\\)[A-Z]", source.replace("A-Za-z", "")), name
+
+
+# ============================================================================ agent hosts
+# Issue 14: the README's snippet for each host, run with the host's official SDK against a stub
+# model API on 127.0.0.1 that answers with canned tool calls and records the requests the SDK
+# sent; the model is the only thing stubbed. Then every Python block of the README, in order.
+
+LEDGERLINE = "In the `ledgerline` repository, releases are tagged by CI, never by hand."
+QUESTION = "How are releases tagged in ledgerline?"
+STRICT = tool_definition(strict=True)
+FLAT = tool_definition(flat=True)
+STRICT_VALIDATOR = jsonschema.Draft202012Validator(STRICT["input_schema"])
+OUTPUT_VALIDATOR = jsonschema.Draft202012Validator(DEFINITION["output_schema"])
+
+
+class StubModel:
+    """A model API on 127.0.0.1 (an ephemeral port): each POST gets the next canned JSON answer
+    queued for its path, and is recorded as `(path, headers, body)`; a path with nothing queued
+    gets a 404, which the SDKs raise."""
+
+    def __init__(self, answers: Mapping[str, Sequence[dict[str, Any]]]) -> None:
+        import http.server
+
+        self.answers = {path: list(queue) for path, queue in answers.items()}
+        self.requests: list[tuple[str, dict[str, str], Any]] = []
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                headers = {name.lower(): value for name, value in self.headers.items()}
+                stub.requests.append((self.path, headers, body))
+                queue = stub.answers.get(self.path, [])
+                status, answer = (200, queue.pop(0)) if queue else (404, {"error": self.path})
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.origin = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+        self.thread.start()
+
+    def bodies(self, path: str) -> list[Any]:
+        return [body for where, _, body in self.requests if where == path]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every socket in this process may connect to 127.0.0.1 only (the SDKs' HTTP clients, the
+    agents SDK's trace exporter), so no test request can reach a real API."""
+    import socket
+
+    connect = socket.socket.connect
+
+    def guarded(sock: socket.socket, address: Any) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] != "127.0.0.1":
+            raise ConnectionRefusedError(f"the host tests connect to 127.0.0.1 only, not {address}")
+        connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+
+
+@pytest.fixture
+def stubs() -> Iterator[Callable[[Mapping[str, Sequence[dict[str, Any]]]], StubModel]]:
+    started: list[StubModel] = []
+
+    def start(answers: Mapping[str, Sequence[dict[str, Any]]]) -> StubModel:
+        started.append(StubModel(answers))
+        return started[-1]
+
+    yield start
+    for stub in started:
+        stub.close()
+
+
+def readme_python_blocks() -> list[str]:
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    return re.findall(r"^```python\n(.*?)^```$", readme, flags=re.MULTILINE | re.DOTALL)
+
+
+def readme_block(marker: str) -> str:
+    """The one Python block of the README that contains `marker`."""
+    (block,) = [block for block in readme_python_blocks() if marker in block]
+    return block
+
+
+def run_snippet(block: str, namespace: dict[str, Any]) -> str:
+    """Runs a README block in `namespace` and returns what it printed. (Only stdout is swapped:
+    the mcp SDK, which openai-agents imports, binds `sys.stderr` as a default argument.)"""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(block, "README.md", "exec"), namespace)
+    return printed.getvalue()
+
+
+def strict_arguments(**fields: Any) -> str:
+    """A tool call as a strict-mode model writes it: every field, `null` where unused."""
+    arguments = {**dict.fromkeys(STRICT["input_schema"]["properties"]), **fields}
+    STRICT_VALIDATOR.validate(arguments)
+    return json.dumps(arguments)
+
+
+def chat_answer(*calls: tuple[str, str], text: str | None = None) -> dict[str, Any]:
+    """A Chat Completions response: tool calls `(call_id, arguments)`, or a text answer."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [
+            {"id": call_id, "type": "function",
+             "function": {"name": "memory", "arguments": arguments}}
+            for call_id, arguments in calls
+        ]  # fmt: skip
+    return {
+        "id": "chatcmpl-stub", "object": "chat.completion", "created": 1, "model": "gpt-4.1",
+        "choices": [{"index": 0, "message": message,
+                     "finish_reason": "tool_calls" if calls else "stop"}],
+    }  # fmt: skip
+
+
+def responses_answer(*calls: tuple[str, str], text: str | None = None) -> dict[str, Any]:
+    """A Responses API response: `function_call` items `(call_id, arguments)`, or a message."""
+    output: list[dict[str, Any]] = [
+        {"type": "function_call", "id": f"fc_{call_id}", "call_id": call_id, "name": "memory",
+         "arguments": arguments, "status": "completed"}
+        for call_id, arguments in calls
+    ]  # fmt: skip
+    if text is not None:
+        content = [{"type": "output_text", "text": text, "annotations": []}]
+        output.append({"type": "message", "id": "msg_stub", "role": "assistant",
+                       "status": "completed", "content": content})  # fmt: skip
+    return {
+        "id": "resp_stub", "object": "response", "created_at": 1, "model": "gpt-4.1",
+        "status": "completed", "output": output, "parallel_tool_calls": True,
+        "tool_choice": "auto", "tools": [],
+    }  # fmt: skip
+
+
+def messages_answer(*uses: tuple[str, dict[str, Any]], text: str | None = None) -> dict[str, Any]:
+    """An Anthropic Messages response: `tool_use` blocks `(id, input)`, or a text answer."""
+    content: list[dict[str, Any]] = [
+        {"type": "tool_use", "id": use_id, "name": "memory", "input": arguments}
+        for use_id, arguments in uses
+    ]
+    if text is not None:
+        content.append({"type": "text", "text": text})
+    return {
+        "id": "msg_stub", "type": "message", "role": "assistant", "model": "claude-sonnet-4-5",
+        "content": content, "stop_reason": "tool_use" if uses else "end_turn",
+        "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1},
+    }  # fmt: skip
+
+
+def host_namespace(store: Store, client: object) -> dict[str, Any]:
+    """What the README's setup block leaves for the host snippets, on a temporary store."""
+    return {
+        "json": json, "tactmem": tactmem, "store": store, "client": client,
+        "root_tool": MemoryTool(store, root=True),
+        "instructions": with_memory_instructions("You are a coding agent.", enabled=True),
+    }  # fmt: skip
+
+
+def tool_result(content: str) -> dict[str, Any]:
+    """A tool result as the snippet sent it back: the tool's answer, shaped as it promises."""
+    result: dict[str, Any] = json.loads(content)
+    OUTPUT_VALIDATOR.validate(result)
+    return result
+
+
+def openai_client(stub: StubModel) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=stub.origin + "/v1", api_key="sk-test-dummy", max_retries=0)
+
+
+def anthropic_client(stub: StubModel) -> Any:
+    import anthropic
+
+    return anthropic.Anthropic(base_url=stub.origin, api_key="sk-ant-test-dummy", max_retries=0)
+
+
+def test_the_stub_model_and_the_loopback_guard(
+    loopback_only: None, stubs: Callable[..., StubModel]
+) -> None:
+    import socket
+    import urllib.request
+
+    stub = stubs({"/v1/x": [{"ok": True}]})
+    request = urllib.request.Request(stub.origin + "/v1/x", data=b'{"a": 1}', method="POST")
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        assert json.load(answer) == {"ok": True}
+    assert stub.requests[0][0] == "/v1/x" and stub.requests[0][2] == {"a": 1}
+    with socket.socket() as sock, pytest.raises(ConnectionRefusedError, match=r"127\.0\.0\.1 only"):
+        sock.connect(("192.0.2.1", 443))  # TEST-NET-1: refused before any packet
+
+
+def test_openai_chat_completions_strict_snippet(
+    tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
+) -> None:
+    """The README's Chat Completions loop with the `openai` SDK: a strict function tool as the
+    API sees it, two parallel calls in one message (a scan with every other field null, a read),
+    both answered with `tool` messages in the second request, then the model's text."""
+    scan = strict_arguments(operation="scan", query="ledgerline releases tagged")
+    read = strict_arguments(operation="read", ids=[1])
+    path = "/v1/chat/completions"
+    stub = stubs({path: [chat_answer(("call_scan", scan), ("call_read", read)),
+                         chat_answer(text="CI tags them.")]})  # fmt: skip
+    with Store(tmp_path / "memory.sqlite3") as store:
+        store.put(LEDGERLINE)
+        namespace = host_namespace(store, openai_client(stub))
+        printed = run_snippet(readme_block("client.chat.completions.create"), namespace)
+        (record,) = store.list()
+        assert store.read([1])[0].use_count == 2  # the model's read, then this one
+    assert printed == "CI tags them.\n"
+    first, second = stub.bodies(path)
+    assert [headers["authorization"] for _, headers, _ in stub.requests] == [
+        "Bearer sk-test-dummy"
+    ] * 2
+    assert first["model"] == "gpt-4.1"
+    assert first["tools"] == [{"type": "function", "function": {
+        "name": "memory", "description": STRICT["description"],
+        "parameters": STRICT["input_schema"], "strict": True,
+    }}]  # fmt: skip
+    assert list(strict_problems(first["tools"][0]["function"]["parameters"])) == []
+    assert first["messages"] == [
+        {"role": "system", "content": namespace["instructions"]},
+        {"role": "user", "content": QUESTION},
+    ]
+    assert MEMORY_INSTRUCTIONS in first["messages"][0]["content"]
+    assert second["tools"] == first["tools"] and second["messages"][:2] == first["messages"]
+    assistant, scanned, read_back = second["messages"][2:]
+    assert assistant["role"] == "assistant"
+    assert [call["function"]["arguments"] for call in assistant["tool_calls"]] == [scan, read]
+    assert [scanned["role"], scanned["tool_call_id"], read_back["tool_call_id"]] == [
+        "tool", "call_scan", "call_read"
+    ]  # fmt: skip
+    cards = tool_result(scanned["content"])["candidates"]
+    assert [card["key"] for card in cards] == [{"id": 1, "version": 1}]
+    assert [m["content"] for m in tool_result(read_back["content"])["memories"]] == [LEDGERLINE]
+    assert record.content == LEDGERLINE
+
+
+def test_openai_responses_strict_snippet(
+    tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
+) -> None:
+    """The README's Responses API loop with the `openai` SDK: a strict function tool in the
+    Responses shape, a scan and then (next turn) a put, each answered with a
+    `function_call_output` item after the model's own items, then the output text; the put is
+    in the store, so the scan-before-put gate saw the scan."""
+    scan = strict_arguments(operation="scan", query="ledgerline releases")
+    conclusion = "In the `ledgerline` repository, CI tags a release when its changelog lands."
+    put = strict_arguments(operation="put", content=conclusion)
+    path = "/v1/responses"
+    stub = stubs({path: [responses_answer(("call_scan", scan)),
+                         responses_answer(("call_put", put)),
+                         responses_answer(text="Stored.")]})  # fmt: skip
+    with Store(tmp_path / "memory.sqlite3") as store:
+        store.put(LEDGERLINE)
+        namespace = host_namespace(store, openai_client(stub))
+        printed = run_snippet(readme_block("client.responses.create"), namespace)
+        assert [r.content for r in store.list()] == [LEDGERLINE, conclusion]
+    assert printed == "Stored.\n"
+    first, second, third = stub.bodies(path)
+    assert first["tools"] == [{
+        "type": "function", "name": "memory", "description": STRICT["description"],
+        "parameters": STRICT["input_schema"], "strict": True,
+    }]  # fmt: skip
+    assert list(strict_problems(first["tools"][0]["parameters"])) == []
+    assert first["instructions"] == namespace["instructions"] and first["model"] == "gpt-4.1"
+    assert first["input"] == [{"role": "user", "content": QUESTION}]
+    call, output = second["input"][1:]
+    assert (call["type"], call["call_id"]) == ("function_call", "call_scan")
+    assert call["arguments"] == scan
+    assert (output["type"], output["call_id"]) == ("function_call_output", "call_scan")
+    assert tool_result(output["output"])["candidates"][0]["key"] == {"id": 1, "version": 1}
+    assert third["input"][:3] == second["input"]
+    call, output = third["input"][3:]
+    assert (call["call_id"], call["arguments"], output["call_id"]) == ("call_put", put, "call_put")
+    stored = tool_result(output["output"])
+    assert stored["memory"]["key"] == {"id": 2, "version": 1} and stored["replaced"] is False
+
+
+def test_anthropic_messages_snippet(
+    tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
+) -> None:
+    """The README's Messages loop with the `anthropic` SDK: the flat schema (no top-level
+    `oneOf`) as `input_schema`, a `tool_use` block with the fields a flat schema lets the model
+    leave out left out, answered by a `tool_result` in a user turn after the model's own turn,
+    then the text; and a refused call comes back with `is_error`."""
+    path = "/v1/messages"
+    scan = {"operation": "scan", "query": "ledgerline releases"}
+    stale = {"operation": "delete", "id": 1, "version": 9}
+    stub = stubs({path: [messages_answer(("toolu_scan", scan), ("toolu_delete", stale)),
+                         messages_answer(text="CI tags them.")]})  # fmt: skip
+    with Store(tmp_path / "memory.sqlite3") as store:
+        store.put(LEDGERLINE)
+        namespace = host_namespace(store, anthropic_client(stub))
+        printed = run_snippet(readme_block("client.messages.create"), namespace)
+        assert [r.content for r in store.list()] == [LEDGERLINE]
+    assert printed == "CI tags them.\n"
+    first, second = stub.bodies(path)
+    headers = stub.requests[0][1]
+    key = "sk-ant-test-dummy"  # anthropic 2.x sends the key as a bearer token, 0.x as x-api-key
+    assert headers.get("authorization") == f"Bearer {key}" or headers.get("x-api-key") == key
+    assert "anthropic-version" in headers
+    assert first["tools"] == [{"name": "memory", "description": FLAT["description"],
+                               "input_schema": FLAT["input_schema"]}]  # fmt: skip
+    assert first["tools"][0]["input_schema"]["type"] == "object"
+    assert not {"oneOf", "anyOf", "allOf"} & first["tools"][0]["input_schema"].keys()
+    assert first["system"] == namespace["instructions"] and first["max_tokens"] == 4096
+    assert first["model"] == "claude-sonnet-4-5"
+    assert first["messages"] == [{"role": "user", "content": QUESTION}]
+    assistant, user = second["messages"][1:]
+    assert assistant["role"] == "assistant"
+    assert [(b["type"], b["id"], b["input"]) for b in assistant["content"]] == [
+        ("tool_use", "toolu_scan", scan), ("tool_use", "toolu_delete", stale)
+    ]  # fmt: skip
+    assert user["role"] == "user"
+    found, refused = user["content"]
+    assert (found["type"], found["tool_use_id"], found["is_error"]) == (
+        "tool_result", "toolu_scan", False
+    )  # fmt: skip
+    assert tool_result(found["content"])["candidates"][0]["key"] == {"id": 1, "version": 1}
+    assert (refused["tool_use_id"], refused["is_error"]) == ("toolu_delete", True)
+    assert tool_result(refused["content"])["error"]["code"] == "conflict"
+
+
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+def test_openai_agents_function_tool_snippet(
+    api: str, tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The README's openai-agents snippet, through the SDK's own Runner with its default client
+    pointed at the stub (both of its OpenAI models: Responses, the default, and Chat
+    Completions): the SDK's strict checker keeps the schema as it is, the request carries it
+    with `strict`, the Runner invokes the tool with the model's arguments and sends its answer
+    back, and the run's final output is the model's text."""
+    import openai
+    from agents import set_tracing_disabled
+    from agents.models import _openai_shared
+    from agents.models.default_models import get_default_model
+
+    set_tracing_disabled(True)  # the trace exporter would post to api.openai.com
+    monkeypatch.delenv("OPENAI_DEFAULT_MODEL", raising=False)
+    scan = strict_arguments(operation="scan", query="ledgerline releases")
+    if api == "responses":
+        path, answers = "/v1/responses", [responses_answer(("call_scan", scan)),
+                                          responses_answer(text="CI tags them.")]  # fmt: skip
+    else:
+        path, answers = "/v1/chat/completions", [chat_answer(("call_scan", scan)),
+                                                 chat_answer(text="CI tags them.")]  # fmt: skip
+    stub = stubs({path: answers})
+    client = openai.AsyncOpenAI(
+        base_url=stub.origin + "/v1", api_key="sk-test-dummy", max_retries=0
+    )
+    monkeypatch.setattr(_openai_shared, "_default_openai_client", client)
+    monkeypatch.setattr(_openai_shared, "_use_responses_by_default", api == "responses")
+    with Store(tmp_path / "memory.sqlite3") as store:
+        store.put(LEDGERLINE)
+        namespace = host_namespace(store, None)
+        printed = run_snippet(readme_block("Runner.run_sync"), namespace)
+        assert store.read([1])[0].scan_count == 1  # the model's scan ran, through the Runner
+    assert printed == "CI tags them.\n"
+    assert namespace["memory"].params_json_schema == STRICT["input_schema"]
+    assert namespace["memory"].strict_json_schema is True
+    first, second = stub.bodies(path)
+    assert first["model"] == get_default_model()
+    if api == "responses":
+        assert first["tools"] == [{
+            "type": "function", "name": "memory", "description": STRICT["description"],
+            "parameters": STRICT["input_schema"], "strict": True,
+        }]  # fmt: skip
+        assert first["instructions"] == namespace["instructions"]
+        call, output = second["input"][1:]
+        assert (call["call_id"], call["arguments"]) == ("call_scan", scan)
+        assert (output["type"], output["call_id"]) == ("function_call_output", "call_scan")
+        answer = output["output"]
+    else:
+        assert first["tools"] == [{"type": "function", "function": {
+            "name": "memory", "description": STRICT["description"],
+            "parameters": STRICT["input_schema"], "strict": True,
+        }}]  # fmt: skip
+        assert first["messages"][0] == {"role": "system", "content": namespace["instructions"]}
+        assistant, output = second["messages"][2:]
+        assert assistant["tool_calls"][0]["function"]["arguments"] == scan
+        assert (output["role"], output["tool_call_id"]) == ("tool", "call_scan")
+        answer = output["content"]
+    assert tool_result(answer)["candidates"][0]["key"] == {"id": 1, "version": 1}
+
+
+def test_openai_agents_strict_checker_on_the_other_variants() -> None:
+    """Why the table says strict only for `strict_json_schema=True`: the SDK refuses the
+    `oneOf` schema and silently rewrites the flat one (every field required, none nullable,
+    the bounds kept), which would force a model to invent a query for a delete."""
+    from agents.exceptions import UserError
+    from agents.strict_schema import ensure_strict_json_schema
+
+    with pytest.raises(UserError, match="root of a strict JSON schema"):
+        ensure_strict_json_schema(copy.deepcopy(DEFINITION["input_schema"]))
+    rewritten = ensure_strict_json_schema(copy.deepcopy(FLAT["input_schema"]))
+    assert rewritten["required"] == list(FLAT["input_schema"]["properties"])
+    assert rewritten["properties"]["query"]["type"] == "string"  # no null: not a strict schema
+    assert list(strict_problems(rewritten)) != []
+
+
+def test_every_python_block_in_the_readme_runs(
+    tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Each ```python block of README.md, in order, in one namespace (later blocks continue
+    earlier ones): from a temporary directory, with a config there that enables memory, and
+    each host snippet's `client` (and the agents SDK's default client) pointing at a stub model
+    that scans once and then answers. A block that cannot run fails here."""
+    import openai
+    from agents import set_tracing_disabled
+    from agents.models import _openai_shared
+
+    blocks = readme_python_blocks()
+    assert len(blocks) == 7  # the loader found them: API, setup, four hosts, review checkpoint
+    scan = strict_arguments(operation="scan", query="ledgerline releases")
+    stub = stubs({
+        "/v1/chat/completions": [chat_answer(("c1", scan)), chat_answer(text="chat done")],
+        "/v1/responses": [responses_answer(("r1", scan)), responses_answer(text="responses done"),
+                          responses_answer(("a1", scan)), responses_answer(text="agents done")],
+        "/v1/messages": [messages_answer(("m1", json.loads(scan))),
+                         messages_answer(text="messages done")],
+    })  # fmt: skip
+    home = tmp_path / "tact"
+    home.mkdir()
+    (home / "config.toml").write_text("[memory]\nenabled = true\n")
+    monkeypatch.setenv("TACT_HOME", str(home))
+    monkeypatch.delenv("TACT_CONFIG", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "nohome"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    set_tracing_disabled(True)
+    monkeypatch.setattr(
+        _openai_shared, "_default_openai_client",
+        openai.AsyncOpenAI(base_url=stub.origin + "/v1", api_key="sk-test-dummy", max_retries=0),
+    )  # fmt: skip
+    monkeypatch.setattr(_openai_shared, "_use_responses_by_default", True)
+    namespace: dict[str, Any] = {"__name__": "readme"}
+    printed = ""
+    for block in blocks:
+        if "client.messages." in block:
+            namespace["client"] = anthropic_client(stub)
+        elif "client." in block:
+            namespace["client"] = openai_client(stub)
+        printed += run_snippet(block, namespace)
+    assert printed.endswith("chat done\nresponses done\nmessages done\nagents done\n")
+    assert stub.answers == {"/v1/chat/completions": [], "/v1/responses": [], "/v1/messages": []}
+    assert os.listdir(tmp_path / "cwd") == ["example-memory.sqlite3"]
+    assert (home / "memory" / "v1.sqlite3").is_file()
+    assert namespace["instructions"].endswith(MEMORY_INSTRUCTIONS)
+    assert namespace["review"].prompt("next")[1].endswith(MEMORY_REVIEW_CHECKPOINT)
+
+
+def test_readme_mcp_servers_snippet_with_the_sdk_client(tmp_path: Path) -> None:
+    """The README's `mcpServers` entries as a host runs them (`tactmem` as `python -m
+    tactmem`, the same command), on a config that enables memory: the `memory` server offers
+    the flat schema and stores, `memory-readonly` offers scan and read only."""
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```json\n(.*?)^```$", readme, flags=re.MULTILINE | re.DOTALL)
+    (snippet,) = [block for block in blocks if "mcpServers" in block]
+    servers = json.loads(snippet)["mcpServers"]
+    assert list(servers) == ["memory", "memory-readonly"]
+    (tmp_path / "config.toml").write_text("[memory]\nenabled = true\n")
+
+    async def session(entry: dict[str, Any], query: str) -> tuple[Any, Any, Any]:
+        assert entry["command"] == "tactmem"
+        parameters = StdioServerParameters(
+            command=sys.executable, args=["-m", "tactmem", *entry["args"]], cwd=str(HERE),
+            env=subprocess_env(TACT_HOME=str(tmp_path)),
+        )  # fmt: skip
+        async with Client(parameters) as client:
+            (tool,) = (await client.list_tools()).tools
+            scan = await client.call_tool("memory", {"operation": "scan", "query": query})
+            put = await client.call_tool("memory", {"operation": "put", "content": query})
+        return tool, scan.structured_content, put.structured_content
+
+    def run(entry: dict[str, Any], query: str) -> tuple[Any, Any, Any]:
+        return asyncio.run(asyncio.wait_for(session(entry, query), 60))
+
+    tool, _, put = run(servers["memory"], "The MCP snippet in the README works.")
+    assert tool.input_schema == FLAT["input_schema"]
+    assert put["memory"]["key"] == {"id": 1, "version": 1}
+    tool, scan, put = run(servers["memory-readonly"], "MCP snippet README")
+    assert tool.input_schema == tool_definition(flat=True, root=False)["input_schema"]
+    assert scan["candidates"][0]["key"] == {"id": 1, "version": 1}
+    assert put["error"]["code"] == "not_root"
+    with Store(tmp_path / "memory" / "v1.sqlite3") as store:
+        assert [r.content for r in store.list()] == ["The MCP snippet in the README works."]
