@@ -1742,8 +1742,8 @@ def _plan_put(put: _Put, state: _PutState, limits: Limits) -> _PutPlan:
         if state.duplicate_of is not None:
             raise Duplicate()
         _check_insert(state.rows, state.content_bytes, put.size, limits)
-        if type(state.next_id) in (int, float) and state.next_id > _MAX_SQL_INT:  # type: ignore[operator]
-            raise DatabaseCapacity()  # SQLite made the id after the largest one a float
+        if isinstance(state.next_id, (int, float)) and state.next_id > _MAX_SQL_INT:
+            raise DatabaseCapacity()  # SQLite makes the id after the largest one a float
         if type(state.next_id) is not int:  # a foreign writer's allocator: no id is safe
             raise StorageError("memory database's id allocator is not a whole number")
         key, created = Key(state.next_id, 1), put.now_ms
@@ -2038,12 +2038,11 @@ def tool_definition(
     }
     taken = [field for req, opt, _ in operations.values() for field in (*req, *opt)]
     if strict:
-        input_schema = _strict_schema(list(operations), dict.fromkeys(taken), limits)
+        input_schema = _strict_schema(list(operations), taken, limits)
     elif flat:
         names = {"operation": {"enum": list(operations)}}
         flat_fields = {field: fields[field] for field in taken}
-        summary = _FLAT_DESCRIPTION if root else _FLAT_DESCRIPTION.split("; put")[0] + "."
-        input_schema = _closed({**names, **flat_fields}, ["operation"], summary)
+        input_schema = _closed({**names, **flat_fields}, ["operation"], _flat_summary(operations))
     else:
         variants = [
             _closed(
@@ -2067,9 +2066,7 @@ def tool_definition(
     return copy.deepcopy(definition)  # the schema pieces are shared constants
 
 
-def _strict_schema(
-    operations: list[str], taken: Mapping[str, None], limits: Limits
-) -> dict[str, Any]:
+def _strict_schema(operations: list[str], taken: list[str], limits: Limits) -> dict[str, Any]:
     """The flat input in OpenAI's strict form: every field required, `null` where unused."""
     key = _closed({"id": {"type": "integer"}, "version": {"type": "integer"}})
     most = limits.scan_results
@@ -2093,10 +2090,18 @@ def _strict_schema(
 
 
 _NUMBER_WORDS: Final = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-_FLAT_DESCRIPTION: Final = (
-    "scan takes query and optional limit; read takes ids; put takes content and optional"
-    " replace; delete takes id and version. Any other field is an error."
-)
+
+
+def _flat_summary(operations: Mapping[str, tuple[tuple[str, ...], tuple[str, ...], str]]) -> str:
+    """What each operation takes, for the flat schema: `scan takes query and optional limit;
+    read takes ids; ... Any other field is an error.`"""
+    takes = [
+        f"{name} takes " + " and ".join((*req, *(f"optional {field}" for field in opt)))
+        for name, (req, opt, _) in operations.items()
+    ]
+    return "; ".join(takes) + ". Any other field is an error."
+
+
 _TOOL_DESCRIPTION: Final = (
     "Global memory of durable conclusions shared by every session, searched and changed only"
     " through this tool. `scan` ranks memories against a short query and returns at most {cards}"
@@ -3986,8 +3991,8 @@ def _serve_mcp(tool: MemoryTool | None, off: TactmemError | None, *, root: bool)
     ) -> mcp.types.CallToolResult:
         if params.name != "memory":
             result = _error_answer(InvalidRequest("unknown tool"))
-        elif off is not None or tool is None:
-            result = _error_answer(off or StorageError())
+        elif tool is None or off is not None:  # no tool is made without an `off` reason
+            result = _error_answer(off or ConfigError())
         else:
             result = await anyio.to_thread.run_sync(tool.call, dict(params.arguments or {}))
         return mcp.types.CallToolResult(
@@ -4443,17 +4448,19 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
+_TYPED_NUMBER: Final = "[0-9]{1,19}"  # a plain decimal number (not `٣`, not `1_0`)
+
+
 def _number(text: str) -> int:
-    """A plain decimal number, as ids, versions and limits are typed (not `٣`, not `1_0`)."""
-    if re.fullmatch("[0-9]{1,19}", text) is None:
+    """A number as ids, versions and limits are typed."""
+    if re.fullmatch(_TYPED_NUMBER, text) is None:
         raise argparse.ArgumentTypeError("expected a whole number")
     return int(text)
 
 
 def _id_number(text: str) -> int:
-    """An id as typed: a whole number a row can have, so `read 0` is a usage error like
-    `read -1`."""
-    if re.fullmatch("[0-9]{1,19}", text) is None or not _addressable(int(text)):
+    """An id as typed: a number a row can have, so `read 0` is a usage error like `read -1`."""
+    if re.fullmatch(_TYPED_NUMBER, text) is None or not _addressable(int(text)):
         raise argparse.ArgumentTypeError(f"expected an id from 1 to {_MAX_SQL_INT}")
     return int(text)
 
@@ -4467,7 +4474,7 @@ def _coverage(text: str) -> float:
 
 def _parse_key_argument(text: str) -> Key:
     """`ID@VERSION` as typed on the command line."""
-    match = re.fullmatch(r"([0-9]{1,19})@([0-9]{1,19})", text.strip())
+    match = re.fullmatch(f"({_TYPED_NUMBER})@({_TYPED_NUMBER})", text.strip())
     if match is None or not all(_addressable(int(part)) for part in match.groups()):
         raise argparse.ArgumentTypeError(
             "a memory key is written ID@VERSION, both from 1, for example 7@2"

@@ -822,8 +822,7 @@ def test_a_device_or_fifo_as_the_database_is_refused_before_sqlite_opens_it(
     path = Path(device) if device.startswith("/") else tmp_path / device
     if device == "fifo":
         os.mkfifo(path)
-    if not path.exists():
-        pytest.skip(f"{device} does not exist here")
+    assert path.exists(), f"{device}: every POSIX system has it"
     before = {p.name for p in path.parent.iterdir()}
     for operation in ("list", "put"):
         with pytest.raises(StorageError, match="could not open the memory database file"):
@@ -4711,10 +4710,7 @@ def read_only_directory() -> Iterator[tuple[Path, Callable[[], None]]]:
     directory = Path(tempfile.mkdtemp(prefix="tactmem-ro-"))
     mounted = os.geteuid() == 0
     if mounted:
-        mount = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(directory)]
-        if subprocess.run(mount, capture_output=True).returncode != 0:
-            shutil.rmtree(directory)
-            pytest.skip("as root without mount privileges no directory can be made read-only")
+        mount_tmpfs(directory, "4m")
 
     def seal() -> None:
         if mounted:
@@ -4735,14 +4731,20 @@ def read_only_directory() -> Iterator[tuple[Path, Callable[[], None]]]:
         shutil.rmtree(directory)
 
 
-@contextlib.contextmanager
-def small_disk(size: str) -> Iterator[Path]:
-    """A directory on a file system of `size` (a tmpfs; mounting needs root)."""
-    directory = Path(tempfile.mkdtemp(prefix="tactmem-disk-"))
+def mount_tmpfs(directory: Path, size: str) -> None:
+    """Mount a tmpfs of `size` on `directory`. The test needs it (root with mount privileges,
+    as CI runs): without it the test fails, saying so, rather than passing untested."""
     mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)]
     if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
-        directory.rmdir()
-        pytest.skip("mounting a small file system needs root with mount privileges")
+        shutil.rmtree(directory)
+        pytest.fail("this test mounts a tmpfs: run it as root with mount privileges, as CI does")
+
+
+@contextlib.contextmanager
+def small_disk(size: str) -> Iterator[Path]:
+    """A directory on a file system of `size` (a tmpfs)."""
+    directory = Path(tempfile.mkdtemp(prefix="tactmem-disk-"))
+    mount_tmpfs(directory, size)
     try:
         yield directory
     finally:
