@@ -1761,6 +1761,30 @@ def _plan_put(put: _Put, state: _PutState, limits: Limits) -> _PutPlan:
     return _PutPlan(record, insert=put.replace is None)
 
 
+class _Totals(NamedTuple):
+    """What the bounds count, hidden rows included, and a time before which no row expires
+    (`_expired`; None while no unread row is on probation): a backend that knows these from
+    its own writes skips the full passes over its rows that a put or prune would make."""
+
+    rows: int
+    content_bytes: int
+    expires: int | float | None  # a lower bound: a read that ends a probation leaves it be
+
+    def due(self, now_ms: int) -> bool:
+        """Whether a row may have expired by `now_ms`: only then must a prune look."""
+        return self.expires is not None and self.expires <= now_ms
+
+    def after_put(self, plan: _PutPlan, state: _PutState, size: int) -> _Totals:
+        until = plan.record.probation_until_ms
+        expires = until if self.expires is None or until is None else min(self.expires, until)
+        if plan.insert:
+            return _Totals(self.rows + 1, self.content_bytes + size, expires)
+        return _Totals(self.rows, self.content_bytes - state.target_bytes + size, expires)
+
+    def after_delete(self, size: int) -> _Totals:
+        return _Totals(self.rows - 1, self.content_bytes - size, self.expires)
+
+
 # ------------------------------------------------------------------------ the storage boundary
 
 
@@ -3339,11 +3363,18 @@ _OLD_PROBATION_INDEX: Final = (
 _PRUNABLE: Final = (
     "SELECT id, use_count, probation_until_ms FROM memories WHERE probation_until_ms <= ?"
 )
-# What a put reads for its `_PutState`: rows, content bytes and next id; the row with the same
-# identity; the replaced row's version, bytes and creation time.
+# `_Totals` in one pass over the rows: what a store counts and when its first probation ends
+# (the rows `_PRUNABLE` will find: a number, on an unread row).
+_TOTALS: Final = (
+    "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0), MIN(CASE WHEN"
+    " use_count = 0 AND typeof(probation_until_ms) IN ('integer', 'real')"
+    " THEN probation_until_ms END) FROM memories"
+)
+# What a put reads for its `_PutState` besides the totals: the next id (two index lookups);
+# the row with the same identity; the replaced row's version, bytes and creation time.
 _PUT_READS: Final = (
-    "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0),"
-    " MAX(COALESCE(MAX(id), 0) + 1, (SELECT MAX(next_id) FROM memory_metadata)) FROM memories",
+    "SELECT MAX(COALESCE((SELECT MAX(id) FROM memories), 0) + 1,"
+    " (SELECT MAX(next_id) FROM memory_metadata))",
     "SELECT id FROM memories WHERE normalized_identity = ?",
     "SELECT version, COALESCE(length(CAST(content AS BLOB)), 0), created_at_ms FROM memories"
     " WHERE id = ?",
@@ -3590,6 +3621,10 @@ class Store:
         self._data_version = -1
         self._schema_cookie = -1  # `PRAGMA schema_version` when the objects were last checked
         self._stale = True
+        # The totals as this connection's last commit left them, while no other has committed
+        # since (`PRAGMA data_version` still `_seen_version`); None when unknown.
+        self._totals: _Totals | None = None
+        self._seen_version = -1
 
     def __repr__(self) -> str:
         return f"Store({self.path!r}, limits={self.limits!r})"
@@ -3648,12 +3683,16 @@ class Store:
         """Add a conclusion, or replace the record at `replace` if its version still matches."""
         put = _check_put(content, replace, self.limits, _now_ms(now_ms))
         target = (replace.id,) if replace is not None and _addressable(replace.id) else None
-        totals, duplicate, replaced = _PUT_READS
+        allocator, duplicate, replaced = _PUT_READS
         with self._transaction(prune_at=put.now_ms) as connection:
-            rows, size, next_id = connection.execute(totals).fetchone()
+            totals = self._totals
+            assert totals is not None  # the prune leaves them known
+            (next_id,) = connection.execute(allocator).fetchone()
             (same,) = connection.execute(duplicate, (put.identity,)).fetchone() or (None,)
             old = connection.execute(replaced, target).fetchone() if target else None
-            state = _PutState(rows, size, next_id, same, *(old or (None, 0, 0)))
+            state = _PutState(
+                totals.rows, totals.content_bytes, next_id, same, *(old or (None, 0, 0))
+            )
             plan = _plan_put(put, state, self.limits)
             new = plan.record
             common = (new.key.version, new.content, put.identity)
@@ -3664,6 +3703,7 @@ class Store:
                 changed = attrs.astuple(new, recurse=False)[2:]
                 connection.execute(_UPDATE, (*common, *changed, new.key.id))
             self._stale = True
+            self._totals = totals.after_put(plan, state, put.size)
         return plan.record
 
     def delete(self, key: Key, *, now_ms: int | None = None) -> None:
@@ -3671,10 +3711,15 @@ class Store:
         del now_ms  # delete records no time; the parameter keeps the API uniform
         target = key.id if _addressable(key.id) else None
         with self._transaction() as connection:
-            query = "SELECT (SELECT version FROM memories WHERE id = ?)"  # NULL when none
-            _check_version(key, connection.execute(query, (target,)).fetchone()[0])
+            query = (  # NULLs when there is none
+                "SELECT (SELECT version FROM memories WHERE id = ?),"
+                " (SELECT length(CAST(content AS BLOB)) FROM memories WHERE id = ?)"
+            )
+            version, size = connection.execute(query, (target, target)).fetchone()
+            _check_version(key, version)
             connection.execute("DELETE FROM memories WHERE id = ?", (key.id,))
             self._stale = True
+            self._totals = self._totals and self._totals.after_delete(size)
 
     def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]:
         """Every visible record by id, without telemetry. Expired probation is pruned first."""
@@ -3722,12 +3767,17 @@ class Store:
                 _begin_immediate(connection)
                 try:
                     self._check_file(connection)  # another process may have changed the file
+                    (data_version,) = connection.execute("PRAGMA data_version").fetchone()
+                    if data_version != self._seen_version:  # another connection committed
+                        self._totals = None
                     if prune_at is not None:
                         self._prune(connection, prune_at)
                     yield connection
                     connection.execute("COMMIT")
+                    self._seen_version = data_version  # a connection's own commits keep it
                 except BaseException:
                     self._stale = True
+                    self._totals = None
                     if connection.in_transaction:  # SQLITE_FULL may have rolled back already
                         connection.execute("ROLLBACK")
                     raise
@@ -3760,6 +3810,7 @@ class Store:
         _inspect(self.path, self.limits)
         connection = _open(self.path, self.limits, isolation_level=None, check_same_thread=False)
         self._schema_cookie = -1  # a new connection, perhaps to another file: check it all
+        self._totals, self._seen_version = None, -1
         try:
             self._check_file(connection)  # before anything writes: a refused file stays as it was
             connection.execute("PRAGMA journal_mode = DELETE")
@@ -3793,11 +3844,16 @@ class Store:
         return found
 
     def _prune(self, connection: sqlite3.Connection, now_ms: int) -> None:
+        """Drop what `_expired` names, passing over the rows only when the totals are unknown
+        or say a probation may have ended; the totals are known after."""
+        if self._totals is not None and not self._totals.due(now_ms):
+            return
         rows = connection.execute(_PRUNABLE, (now_ms,)).fetchall()
         expired = [(doc_id,) for doc_id, uses, until in rows if _expired(uses, until, now_ms)]
         if expired:
             connection.executemany("DELETE FROM memories WHERE id = ?", expired)
             self._stale = True
+        self._totals = _Totals(*connection.execute(_TOTALS).fetchone())
 
     def _sync(self, connection: sqlite3.Connection) -> None:
         """Bring the token statistics up to date with the rows, re-tokenizing only changes."""

@@ -1283,6 +1283,16 @@ class StoreMatchesModel(RuleBasedStateMachine):
         finally:
             connection.close()
         assert stored == [row for _, row in sorted(self.model.rows.items())]
+        unread = [r.probation_until_ms for r in stored if r.use_count == 0]
+        for store in self.stores:  # totals a store would trust (no other commit since) are exact
+            known = store._totals
+            if known is None or store._connection is None:
+                continue
+            (data_version,) = store._connection.execute("PRAGMA data_version").fetchone()
+            if data_version == store._seen_version:
+                assert (known.rows, known.content_bytes) == (len(stored), content_bytes)
+                ends = [until for until in unread if until is not None]
+                assert not ends or (known.expires is not None and known.expires <= min(ends))
         assert len(stored) <= TINY.records
         assert content_bytes <= TINY.total_content_bytes
         assert os.path.getsize(self.path) <= TINY.database_bytes

@@ -925,6 +925,34 @@ def test_failed_put_rolls_back_its_prune(tiny: Store, db: Path) -> None:
         assert connection.execute("SELECT COUNT(*) FROM memories").fetchone() == (2,)
 
 
+def test_known_totals_follow_a_foreign_writer(tiny: Store, db: Path) -> None:
+    """A store keeps its row and byte totals and its first probation end from its own writes
+    (issue 16); another connection's commit makes it count again, so no bound is missed."""
+    tiny.put("first row", now_ms=0)
+    tiny.put("second row", now_ms=0)
+    insert_raw(db, "a foreign row")  # rows 3 of 4
+    tiny.put("fourth row", now_ms=1)
+    with pytest.raises(RecordCapacity):
+        tiny.put("fifth row", now_ms=1)
+    with raw(db) as connection:  # 64 content bytes in all, then two deleted
+        connection.execute("UPDATE memories SET content = ? WHERE id = 3", ("x" * 32,))
+        connection.execute("DELETE FROM memories WHERE id IN (1, 2)")
+    with pytest.raises(ContentCapacity):
+        tiny.put("y" * 23, now_ms=1)  # 32 + 10 + 23 bytes
+    tiny.put("y" * 22, now_ms=1)
+    with raw(db) as connection:  # a probation that ends before any this store wrote
+        connection.execute("UPDATE memories SET probation_until_ms = 2 WHERE id = 3")
+    assert [r.key.id for r in tiny.list(now_ms=2)] == [4, 5]
+
+
+def test_a_read_ending_the_first_probation_leaves_a_later_one_to_expire(tiny: Store) -> None:
+    early = tiny.put("early", now_ms=0)
+    tiny.put("late", now_ms=5)
+    tiny.read([early.key.id], now_ms=6)  # the store's first probation end (10) is now passed over
+    assert [r.content for r in tiny.list(now_ms=14)] == ["early", "late"]
+    assert [r.content for r in tiny.list(now_ms=15)] == ["early"]
+
+
 def test_delete_never_prunes(tiny: Store, db: Path) -> None:
     expired = tiny.put("expired", now_ms=0)
     other = tiny.put("other", now_ms=0)
