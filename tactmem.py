@@ -69,6 +69,7 @@ __all__ = [  # sorted; each is documented in the README
 _SCHEMA_VERSION: Final = 1
 _PAGE_SIZE_BYTES: Final = 4096
 _BUSY_TIMEOUT_S: Final = 5.0
+_CACHE_SUFFIX: Final = "-cache"  # the side cache beside the database (`_load_cache`)
 _PREVIEW_BYTES: Final = 64
 _MAX_SQL_INT: Final = 2**63 - 1
 _BM25_K1: Final = 1.2
@@ -836,6 +837,17 @@ def _query_terms(query: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------ ranking
+# What a text yields, whatever row holds it: whether it is hidden (`_hidden`), and its counts.
+_Derived = tuple[bool, dict[str, int]]
+
+
+def _digest(text: str) -> str:
+    """What `_Derived` is kept under: a BLAKE2b hash of the text."""
+    try:  # hashlib's own BLAKE2b, without the milliseconds hashlib takes to load OpenSSL
+        from _blake2 import blake2b
+    except ImportError:  # pragma: no cover - a Python built without it
+        from hashlib import blake2b
+    return blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 class _Corpus:
@@ -846,12 +858,17 @@ class _Corpus:
     Postings are kept only for terms some query asked about, so loading a corpus counts terms
     and nothing more. Weights depend on every document's length, so they are computed per term
     on first use and dropped on any change.
+
+    What a text yields, its counts and whether it is hidden, depends on the text alone: `known`
+    maps `_digest`s to what earlier runs worked out (a cache the shell keeps beside the file).
+    A text taken from there stays `unconfirmed` until `confirm` has checked it for secrets
+    itself: a cache may be stale in ways a digest cannot tell, or forged.
     """
 
     def __init__(self) -> None:
         self.rows: dict[int, tuple[int, int, object]] = {}  # id -> (id, version, content)
         self.contents: dict[int, str] = {}
-        self.counts: dict[int, Counter[str]] = {}
+        self.counts: dict[int, dict[str, int]] = {}
         self.lengths: dict[int, int] = {}
         self.total_length = 0
         self.postings: dict[str, dict[int, int]] = {}
@@ -860,30 +877,57 @@ class _Corpus:
         self._norms: list[float] = []
         self._weights: dict[str, tuple[list[int], list[float], float]] = {}  # and the idf
         self._stems: dict[int, frozenset[str]] = {}  # each term's `_stem`, once asked for
+        self.digests: dict[int, str] = {}  # only where `update` was given `known`
+        self.unconfirmed: set[int] = set()
 
-    def update(self, rows: Sequence[tuple[int, int, object]]) -> None:
-        """Make the statistics those of exactly these `(id, version, content)` rows."""
+    def update(
+        self, rows: Sequence[tuple[int, int, object]], known: Mapping[str, _Derived] | None = None
+    ) -> dict[str, _Derived]:
+        """Make the statistics those of exactly these `(id, version, content)` rows. With
+        `known`, every text gets a digest, and what was worked out anew is returned by digest."""
         fresh = {row[0]: row for row in rows}
         for doc_id in self.rows.keys() - fresh.keys():
             self._remove(doc_id)
         changed = [row for doc_id, row in fresh.items() if self.rows.get(doc_id) != row]
         texts = [text if isinstance(text, str) else "" for *_, text in changed]
-        counted = [Counter(tokenize(text)) for text in texts]
-        secret = _secret_rows(texts, set().union(*counted))
-        for index, (row, counts) in enumerate(zip(changed, counted, strict=True)):
-            doc_id, _, content = row
+        digests = [] if known is None else list(map(_digest, texts))
+        derived, cached = _derive(texts, digests, known or {})
+        for index, (doc_id, _, content) in enumerate(changed):
+            hidden, counts = derived[index]
             self._remove(doc_id)
-            self.rows[doc_id] = row
-            if isinstance(content, str) and index not in secret:
+            self.rows[doc_id] = changed[index]
+            if not isinstance(content, str):
+                continue
+            if digests:
+                self.digests[doc_id] = digests[index]
+            if index in cached:
+                self.unconfirmed.add(doc_id)
+            if not hidden:
                 self.contents[doc_id] = content
                 self.counts[doc_id] = counts
-                self.lengths[doc_id] = counts.total()
+                self.lengths[doc_id] = sum(counts.values())
                 self.total_length += self.lengths[doc_id]
                 for term in counts.keys() & self.postings.keys():
                     self.postings[term][doc_id] = counts[term]
+        return {
+            digests[i]: derived[i]
+            for i, row in enumerate(changed)
+            if digests and i not in cached and isinstance(row[2], str)
+        }
+
+    def confirm(self, doc_ids: Iterable[int]) -> bool:
+        """Check the texts of these documents that came from a cache for secrets; False if
+        one is secret-shaped (the cache lied: the caller starts over without it)."""
+        for doc_id in self.unconfirmed.intersection(doc_ids):
+            if find_secret(self.contents[doc_id]) is not None:
+                return False
+            self.unconfirmed.discard(doc_id)
+        return True
 
     def _remove(self, doc_id: int) -> None:
         self._ids = []
+        self.digests.pop(doc_id, None)
+        self.unconfirmed.discard(doc_id)
         self._stems.pop(doc_id, None)
         self.rows.pop(doc_id, None)
         self.contents.pop(doc_id, None)
@@ -959,6 +1003,21 @@ class _Corpus:
             return sum(w for term, stem, w in weights if term in counts or stem in stems) / total
 
         return of
+
+
+def _derive(
+    texts: Sequence[str], digests: Sequence[str], known: Mapping[str, _Derived]
+) -> tuple[list[_Derived], set[int]]:
+    """What each text yields, taken from `known` by its digest where it can be (those
+    indexes are returned too), else worked out: all the new texts' secrets in one pass."""
+    cached = {i for i, digest in enumerate(digests) if digest in known}
+    todo = [i for i in range(len(texts)) if i not in cached]
+    counted = {i: Counter(tokenize(texts[i])) for i in todo}
+    secret = _secret_rows([texts[i] for i in todo], set().union(*counted.values()))
+    derived: dict[int, _Derived] = {  # a hidden text's terms are kept nowhere
+        i: (True, {}) if n in secret else (False, counted[i]) for n, i in enumerate(todo)
+    }
+    return [derived.get(i) or known[digests[i]] for i in range(len(texts))], cached
 
 
 def rank(
@@ -3468,7 +3527,107 @@ def _file_identity(path: str) -> tuple[int, int] | None:
 
 
 # The database file and the sidecars SQLite may keep beside it, as `stats` names them.
-_FILES: Final = {"main": "", "journal": "-journal", "wal": "-wal", "shm": "-shm"}
+_FILES: Final = {
+    "main": "", "journal": "-journal", "wal": "-wal", "shm": "-shm", "cache": _CACHE_SUFFIX
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------------ the side cache
+# `<database>-cache` keeps `_Derived` by `_digest` for the next process, so that its first scan
+# need not tokenize and check every row again (README, "Performance"). JSON lines: a header
+# naming this exact build of tactmem (its source's digest), then `[digest, hidden, counts]`
+# lines, appended under the database's write lock and rewritten with only live texts when dead
+# ones pile up. Disposable: a file that is missing, too large, of another build or unreadable
+# is ignored, and so is any line that is not exactly that shape.
+
+
+def _cache_bytes(limits: Limits) -> int:
+    """The largest side cache read: far more than any store's texts yield."""
+    return 16 * limits.total_content_bytes + (1 << 20)
+
+
+@functools.cache
+def _cache_header() -> bytes | None:
+    """The header naming this build, or None (no cache) when the source cannot be read."""
+    import json
+
+    try:
+        with open(__file__, "rb") as source:
+            build = _digest(source.read().decode("utf-8", "surrogateescape"))
+    except (OSError, TypeError, NameError):
+        return None
+    return json.dumps(["tactmem-cache", 1, build]).encode() + b"\n"
+
+
+def _cache_entries(lines: list[bytes]) -> dict[str, _Derived]:
+    """The entries of these lines: parsed all at once (several times faster), or one by one
+    when one is not JSON (a torn last line, say)."""
+    import json
+
+    try:
+        entries = json.loads(b"[" + b",".join(filter(None, lines)) + b"]")
+    except ValueError:
+        entries = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                entries.append(json.loads(line))
+    return dict(filter(None, map(_cache_entry, entries)))
+
+
+def _cache_entry(entry: object) -> tuple[str, _Derived] | None:
+    if not isinstance(entry, list) or len(entry) != 3:
+        return None
+    digest, hidden, counts = entry
+    if not (isinstance(digest, str) and len(digest) == 32 and type(hidden) is bool):
+        return None
+    if not isinstance(counts, dict) or set(map(type, counts.values())) - {int}:
+        return None
+    if counts and not 1 <= min(counts.values()) <= max(counts.values()) <= 1 << 20:
+        return None
+    return digest, (hidden, counts)
+
+
+def _load_cache(path: str, limits: Limits) -> tuple[dict[str, _Derived], int]:
+    """The entries of the side cache and its line count (too many to keep appending to when
+    it is not this build's, so the next write rewrites it)."""
+    header = _cache_header()
+    try:
+        with open(path, "rb") as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size > _cache_bytes(limits):
+                return {}, sys.maxsize
+            lines = file.read(_cache_bytes(limits) + 1).split(b"\n")
+    except OSError:
+        return {}, 0
+    if header is None or lines[0] + b"\n" != header:
+        return {}, sys.maxsize
+    return _cache_entries(lines[1:]), len(lines)
+
+
+def _write_cache(path: str, entries: Mapping[str, _Derived], *, rewrite: bool) -> None:
+    """Append these entries to the side cache (with a header when it is new), or rewrite it
+    with only them; best effort: a failure leaves, at worst, a cache the next load ignores."""
+    import json
+
+    header = _cache_header()
+    if header is None:
+        return
+    lines = b"".join(
+        json.dumps([digest, hidden, counts], ensure_ascii=False).encode() + b"\n"
+        for digest, (hidden, counts) in entries.items()
+    )
+    target = path + ".tmp" if rewrite else path
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if rewrite else os.O_APPEND)
+    with contextlib.suppress(OSError):
+        descriptor = os.open(target, flags, 0o600)
+        try:
+            size = os.fstat(descriptor).st_size  # after a torn line, a line of its own:
+            torn = size and os.pread(descriptor, 1, size - 1) != b"\n"
+            os.write(descriptor, b"\n" + lines if torn else lines if size else header + lines)
+        finally:
+            os.close(descriptor)
+        if rewrite:
+            os.replace(target, path)
 
 
 def _open_to_others(path: str) -> bool:
@@ -3625,6 +3784,8 @@ class Store:
         # since (`PRAGMA data_version` still `_seen_version`); None when unknown.
         self._totals: _Totals | None = None
         self._seen_version = -1
+        self._known: dict[str, _Derived] | None = None  # the side cache's entries, once loaded
+        self._cache_lines = 0
 
     def __repr__(self) -> str:
         return f"Store({self.path!r}, limits={self.limits!r})"
@@ -3660,6 +3821,12 @@ class Store:
         with self._transaction(prune_at=now) as connection:
             self._sync(connection)
             plan = _plan_scan(self._corpus, terms, limit, self.limits, floor)
+            if not self._corpus.confirm(plan.scanned):  # the side cache lied: do without it
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path + _CACHE_SUFFIX)
+                self._corpus, self._known, self._cache_lines, self._stale = _Corpus(), {}, 0, True
+                self._sync(connection)
+                plan = _plan_scan(self._corpus, terms, limit, self.limits, floor)
             connection.executemany(
                 "UPDATE memories SET last_scanned_at_ms = ?, scan_count = scan_count + 1"
                 " WHERE id = ?",
@@ -3856,13 +4023,28 @@ class Store:
         self._totals = _Totals(*connection.execute(_TOTALS).fetchone())
 
     def _sync(self, connection: sqlite3.Connection) -> None:
-        """Bring the token statistics up to date with the rows, re-tokenizing only changes."""
+        """Bring the token statistics up to date with the rows, re-tokenizing only changes
+        and texts the side cache does not know; tell the cache what was worked out."""
         (data_version,) = connection.execute("PRAGMA data_version").fetchone()
         if not self._stale and data_version == self._data_version:
             return
-        self._corpus.update(connection.execute(_CORPUS_ROWS).fetchall())
+        path = self.path + _CACHE_SUFFIX
+        if self._known is None:
+            self._known, self._cache_lines = _load_cache(path, self.limits)
+        new = self._corpus.update(connection.execute(_CORPUS_ROWS).fetchall(), self._known)
         self._data_version = data_version
         self._stale = False
+        if not new:
+            return
+        self._known.update(new)
+        live = set(self._corpus.digests.values())
+        if self._cache_lines + len(new) > 2 * len(live) + 64:  # mostly dead lines: start over
+            self._known = {digest: self._known[digest] for digest in live}
+            _write_cache(path, self._known, rewrite=True)
+            self._cache_lines = len(self._known) + 1
+        else:
+            _write_cache(path, new, rewrite=False)
+            self._cache_lines += len(new)
 
 
 # ------------------------------------------------------------------------ the memory tool

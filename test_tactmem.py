@@ -691,6 +691,115 @@ def test_ref13_legacy_secret_row_is_hidden_but_deletable(tiny: Store, db: Path) 
         assert connection.execute("SELECT COUNT(*) FROM memories").fetchone() == (0,)
 
 
+# ---------------------------------------------------------------------------- the side cache
+
+CACHE_TEXTS = ("deploys go through the release train", "the release train leaves on Fridays")
+
+
+def cache_lines(db: Path) -> list[Any]:
+    return [
+        json.loads(line) for line in (db.parent / (db.name + "-cache")).read_bytes().splitlines()
+    ]
+
+
+def cards(store: Store, query: str) -> list[tuple[Key, str, float, float]]:
+    result = store.scan(query, now_ms=1)
+    return [(c.key, c.preview, c.score, c.coverage) for c in result.candidates]
+
+
+def test_side_cache_serves_a_fresh_store_the_same_ranking(db: Path) -> None:
+    with Store(db) as store:
+        for text in CACHE_TEXTS:
+            store.put(text, now_ms=0)
+        first = cards(store, "release train")
+    header, *entries = cache_lines(db)
+    assert header[:2] == ["tactmem-cache", 1] and len(entries) == 2
+    assert {entry[0] for entry in entries} == {tactmem._digest(text) for text in CACHE_TEXTS}
+    with Store(db) as fresh:
+        assert cards(fresh, "release train") == first
+        assert fresh._corpus.unconfirmed == set()  # both cards were checked for secrets
+        assert set(fresh._corpus.digests) == {1, 2}
+    assert len(cache_lines(db)) == 3  # nothing new was worked out, so nothing was added
+
+
+def test_a_lying_side_cache_never_shows_a_secret(db: Path) -> None:
+    """A forged entry that calls a secret-shaped row clean: the card is checked, the cache
+    thrown away and the ranking done again without it."""
+    with Store(db) as store:
+        store.put(CACHE_TEXTS[0], now_ms=0)
+        secret = insert_raw(db, "release password=hunter2hunter2")
+        assert [c.key.id for c in store.scan("release", now_ms=1).candidates] == [1]
+    header, *entries = cache_lines(db)
+    assert [entry[1:] for entry in entries] == [[False, entries[0][2]], [True, {}]]  # no terms
+    forged = [[digest, False, {"release": 9}] for digest, *_ in entries]
+    (db.parent / (db.name + "-cache")).write_text(
+        "".join(json.dumps(line) + "\n" for line in [header, *forged])
+    )
+    with Store(db) as fresh:
+        assert [c.key.id for c in fresh.scan("release", now_ms=1).candidates] == [1]
+    assert [entry[1] for entry in cache_lines(db)[1:]].count(True) == 1
+    assert secret == 2
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        b"not json at all\n",
+        b"",
+        b"\xff\xfe\n",
+        b'["tactmem-cache", 1, "another build"]\n',
+        b"HEADER" + b'["' + b"0" * 32 + b'", false, {"x": 1}]\n' + b'["abc", fal',  # torn
+        b"HEADER[1, 2]\n[null]\n{}\n",
+        b'HEADER["DIGEST", false, {"release": 0}]\n',
+        b'HEADER["DIGEST", false, {"release": -3}]\n',
+        b'HEADER["DIGEST", false, {"release": "2"}]\n',
+        b'HEADER["DIGEST", false, {"release": true}]\n',
+        b'HEADER["DIGEST", false, {"release": 1.5}]\n',
+        b'HEADER["DIGEST", 0, {"release": 1}]\n',
+        b'HEADER["DIGEST", false, ["release"]]\n',
+        b'HEADER["DIGEST", false, {"release": 99999999999999999999999}]\n',
+        b"HEADER" + b" " * (17 << 20),  # past the size bound
+    ],
+)
+def test_a_damaged_side_cache_is_ignored(db: Path, damage: bytes) -> None:
+    with Store(db) as store:
+        for text in CACHE_TEXTS:
+            store.put(text, now_ms=0)
+        expected = cards(store, "release train")
+    header = (db.parent / (db.name + "-cache")).read_bytes().splitlines(keepends=True)[0]
+    digest = tactmem._digest(CACHE_TEXTS[0]).encode()
+    cache = db.parent / (db.name + "-cache")
+    cache.write_bytes(damage.replace(b"HEADER", header).replace(b"DIGEST", digest))
+    with Store(db) as fresh:
+        assert cards(fresh, "release train") == expected
+    mended = cache.read_bytes()
+    with Store(db) as again:  # what the first worked out anew serves the next, unchanged
+        assert cards(again, "release train") == expected
+    assert cache.read_bytes() == mended
+    assert len(mended) < 2000
+
+
+def test_side_cache_that_is_not_a_file_or_cannot_be_written(db: Path) -> None:
+    with Store(db) as store:
+        store.put(CACHE_TEXTS[0], now_ms=0)
+        (db.parent / (db.name + "-cache")).mkdir()
+        assert [c.key.id for c in store.scan("release", now_ms=1).candidates] == [1]
+    with Store(db) as fresh:
+        assert [c.key.id for c in fresh.scan("release", now_ms=1).candidates] == [1]
+    assert (db.parent / (db.name + "-cache")).is_dir()
+
+
+def test_side_cache_stays_bounded_by_the_live_texts(db: Path) -> None:
+    with Store(db) as store:
+        record = store.put("release 0", now_ms=0)
+        for step in range(1, 200):
+            record = store.put(f"release {step}", replace=record.key, now_ms=0)
+            store.scan("release", now_ms=1)
+        assert len(cache_lines(db)) <= 1 + 2 * 1 + 64
+    with Store(db) as fresh:
+        assert [c.preview for c in fresh.scan("release", now_ms=1).candidates] == ["release 199"]
+
+
 def test_ref14_pragmas(tiny: Store, db: Path) -> None:
     tiny.put("pragmas", now_ms=1)
     connection = tiny._connect()
@@ -5395,7 +5504,10 @@ def test_every_python_block_in_the_readme_runs(
         printed += run_snippet(block, namespace)
     assert printed.endswith("chat done\nresponses done\nmessages done\nagents done\n")
     assert stub.answers == {"/v1/chat/completions": [], "/v1/responses": [], "/v1/messages": []}
-    assert os.listdir(tmp_path / "cwd") == ["example-memory.sqlite3"]
+    assert sorted(os.listdir(tmp_path / "cwd")) == [  # the store, and its scans' side cache
+        "example-memory.sqlite3",
+        "example-memory.sqlite3-cache",
+    ]
     assert (home / "memory" / "v1.sqlite3").is_file()
     assert namespace["instructions"].endswith(MEMORY_INSTRUCTIONS)
     assert namespace["review"].prompt("next")[1].endswith(MEMORY_REVIEW_CHECKPOINT)
