@@ -15,14 +15,15 @@ store's own module; filling 32,000 records by puts would take minutes. Then, per
 - `Store.put` of a record right after deleting it (a full store stays full) against bare
   `BEGIN IMMEDIATE; INSERT; COMMIT` and the same insert into the FTS5 table (which indexes it);
 - a fresh process: import tactmem, open the store, first scan, then a second scan of another
-  query; its peak RSS (`ru_maxrss`); against a fresh process that imports sqlite3 and runs one
-  FTS5 top 5 + telemetry transaction.
+  query; its peak RSS (VmHWM); against a fresh process that imports sqlite3 and runs one FTS5
+  top 5 + telemetry transaction.
 
-BEFORE and AFTER are directories holding a `tactmem.py` (AFTER defaults to this checkout, e.g.
-`git worktree add --detach /tmp/before main`): both are loaded into this process, each has its
-own copy of the database, and they alternate in every measurement; a fresh process of a side runs
-that side's file. With neither, this checkout alone. It prints one table per metric, N down the
-side, with the ratios to the anchor and after/before. Nothing is a target; exit 0.
+BEFORE and AFTER are directories holding a `tactmem.py`, or that file itself (AFTER defaults to
+this checkout; e.g. `git worktree add --detach /tmp/before main`). Both are loaded into this
+process, each gets its own copy of the database, and they alternate in every measurement; a
+side's fresh processes run its own file. With neither, this checkout alone. It prints one table
+per metric, N down the side, with the ratios to the anchor and after/before. Nothing here is a
+target; exit 0.
 """
 
 from __future__ import annotations
@@ -396,14 +397,17 @@ def report(results: dict[int, Samples], sides: Sequence[Side]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkouts", type=Path, nargs="*", metavar="BEFORE [AFTER]")
+    parser.add_argument(
+        "checkouts", type=Path, nargs="*", metavar="BEFORE [AFTER]", help="checkouts or tactmem.py"
+    )
     parser.add_argument("--quick", action="store_true", help="512 and 2,000 records, few samples")
     parser.add_argument("--sizes", help="comma-separated record counts (default: 512,2000,...)")
     parser.add_argument("--dir", type=Path, help="where the databases go (default: a temp dir)")
     options = parser.parse_args(argv)
     if len(options.checkouts) > 2:
         parser.error("at most two checkouts: BEFORE [AFTER]")
-    dirs = dict(zip(("before", "after"), options.checkouts, strict=False))
+    checkouts = [path.parent if path.name == "tactmem.py" else path for path in options.checkouts]
+    dirs = dict(zip(("before", "after"), checkouts, strict=False))
     if dirs:
         dirs.setdefault("after", HERE.parent)
     else:
