@@ -440,7 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for n in sizes:
             scan_rounds = 1 if options.quick else max(1, 4096 // n)
-            counts = (scan_rounds, 12 if options.quick else 40, 3 if options.quick else 8)
+            processes = 3 if options.quick else 8 if n <= 8_000 else 6  # 4 s each at 32,000
+            counts = (scan_rounds, 12 if options.quick else 40, processes)
             results[n] = measure(sides, work, corpus[:n], queries, counts)
             texts = corpus[:n]
             print(
