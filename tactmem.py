@@ -3433,10 +3433,13 @@ def _json_line(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
-def _export_file(rows: Sequence[Record], next_id: object, limits: Limits, now_ms: int) -> Export:
+def _export_file(
+    rows: Sequence[Record], next_id: object, limits: Limits, now_ms: int, version: str
+) -> Export:
     """The export of a store's rows: every visible one not expired at `now_ms`, by id, after
-    a manifest naming the format, the limits, the counts, the allocator's next id and the
-    SHA-256 of the record lines. The same rows give the same bytes."""
+    a manifest naming the format, the `version` of tactmem that wrote it, the limits, the
+    counts, the allocator's next id and the SHA-256 of the record lines. The same rows give
+    the same bytes."""
     import hashlib
 
     if type(next_id) is not int or not _addressable(next_id):
@@ -3447,7 +3450,7 @@ def _export_file(rows: Sequence[Record], next_id: object, limits: Limits, now_ms
     size = sum(len(record.content.encode()) for record in live)
     manifest = {
         "format": _EXPORT_FORMAT, "format_version": _EXPORT_VERSION,
-        "tactmem_version": __version__, "limits": attrs.asdict(limits),
+        "tactmem_version": version, "limits": attrs.asdict(limits),
         "records": len(live), "content_bytes": size, "next_id": next_id,
         "sha256": hashlib.sha256(body).hexdigest(),
     }  # fmt: skip
@@ -4001,12 +4004,12 @@ class Store:
         exports as empty, and still has no file."""
         now = _now_ms(now_ms)
         if not os.path.exists(self.path):
-            return _export_file((), 1, self.limits, now)
+            return _export_file((), 1, self.limits, now, __version__)
         with self._transaction() as connection:
             rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
             records = list(map(Record.from_row, rows))
             next_id = _read_batch(connection).next_id
-        return _export_file(records, next_id, self.limits, now)
+        return _export_file(records, next_id, self.limits, now, __version__)
 
     def merge(self, data: bytes, *, dry_run: bool = False, now_ms: int | None = None) -> Merged:
         """Merge an export file in one transaction, as Tact's `pull` does (`_plan_merge`):
