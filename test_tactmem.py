@@ -5899,7 +5899,7 @@ def test_every_python_block_in_the_readme_runs(
     from agents.models import _openai_shared
 
     blocks = readme_python_blocks()
-    assert len(blocks) == 7  # the loader found them: API, setup, four hosts, review checkpoint
+    assert len(blocks) == 8  # the loader found them: API, export, setup, 4 hosts, checkpoint
     scan = strict_arguments(operation="scan", query="ledgerline releases")
     stub = stubs({
         "/v1/chat/completions": [chat_answer(("c1", scan)), chat_answer(text="chat done")],
