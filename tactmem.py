@@ -4008,7 +4008,7 @@ class Store:
         with self._transaction() as connection:
             rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
             records = list(map(Record.from_row, rows))
-            next_id = _read_batch(connection).next_id
+            (*_, next_id) = connection.execute(_BATCH_READS[0]).fetchone()
         return _export_file(records, next_id, self.limits, now, __version__)
 
     def merge(self, data: bytes, *, dry_run: bool = False, now_ms: int | None = None) -> Merged:
@@ -5021,6 +5021,9 @@ def _write_private(name: str, data: bytes) -> None:
 def _export_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
     """`export [FILE|-]`: the file, or standard output; what it holds on stdout (`--json`:
     as an object) when it goes to a file, and on stderr what it left out."""
+    with contextlib.suppress(OSError, ValueError):  # no such file: it cannot be the database
+        if arguments.file != "-" and os.path.samefile(arguments.file, store.path):
+            raise InvalidRequest("the export file named is the database itself")
     export = store.export()
     if arguments.file == "-":
         stream = getattr(sys.stdout, "buffer", None)  # None: stdout was replaced by text
