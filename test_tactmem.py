@@ -2335,7 +2335,9 @@ def test_cli_refusals_are_one_line_without_content(tmp_path: Path) -> None:
     assert done.returncode == 2 and done.stderr.startswith(b"tactmem: usage:")
     done = run_tactmem("--db", str(db), "export", str(db.parent / "." / db.name))
     assert (done.returncode, done.stderr) == (
-        1, b"tactmem: the export file named is the database itself\n")
+        1,
+        b"tactmem: the export file named is the database itself\n",
+    )
     assert db.read_bytes() == before
 
 
