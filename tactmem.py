@@ -5026,9 +5026,11 @@ def _export_command(store: Store, arguments: argparse.Namespace, _: Config | Non
             raise InvalidRequest("the export file named is the database itself")
     export = store.export()
     if arguments.file == "-":
-        stream = getattr(sys.stdout, "buffer", None)  # None: stdout was replaced by text
         sys.stdout.flush()
-        stream.write(export.data) if stream else sys.stdout.write(export.data.decode())
+        if hasattr(sys.stdout, "buffer"):
+            sys.stdout.buffer.write(export.data)
+        else:  # standard output was replaced by a text stream
+            sys.stdout.write(export.data.decode())
     else:
         _write_private(arguments.file, export.data)
         summary = attrs.asdict(export, filter=lambda field, _: field.name != "data")
