@@ -2001,6 +2001,24 @@ def test_a_dry_run_reports_what_the_import_does_and_writes_nothing(tmp_path: Pat
     assert db.read_bytes() != before
 
 
+def test_an_import_past_the_page_budget_writes_nothing(tmp_path: Path) -> None:
+    rows = [Record(Key(i, 1), f"{i} " + "filler words " * 70, 1, 1, None, 0, None, 0, None)
+            for i in range(1, 61)]  # fmt: skip
+    backup = tactmem._export_file(rows, 61, Limits(), 1, tactmem.__version__).data
+    db = tmp_path / "small.sqlite3"
+    small = Store(db, limits=Limits(database_bytes=8 * 4096))
+    small.put("already here", now_ms=1)
+    small.close()
+    before = db.read_bytes()
+    for dry_run in (True, False):
+        with pytest.raises(DatabaseCapacity):
+            small.merge(backup, dry_run=dry_run, now_ms=2)
+        assert db.read_bytes() == before
+    with pytest.raises(DatabaseCapacity):
+        Store(tmp_path / "new.sqlite3", limits=Limits(database_bytes=8 * 4096)).restore(backup)
+    assert [r.content for r in small.list(now_ms=2)] == ["already here"]
+
+
 def test_import_skips_a_record_an_earlier_line_holds() -> None:
     lines = [
         {"key": {"id": i, "version": 1}, "content": text, "created_at_ms": 0,
