@@ -15,6 +15,7 @@ Command line (``tactmem COMMAND --help`` for each)::
       scan QUERY [--limit N] [--min-coverage X] | read ID [ID ...]
       put CONTENT|- [--replace ID@VERSION] | delete ID@VERSION
       list [--sort useful|newest|oldest|least] | stats | browse | demo
+      export [FILE|-] | import FILE|- [--dry-run] | restore FILE|-
       tool [--child] [--min-coverage X] | mcp [--child] [--min-coverage X]
       eval [FILE ...] [--min-coverage X] [--sweep] [--thresholds FILE] [--paired RESULTS]
 """
@@ -52,13 +53,14 @@ __version__ = "0.1.0"
 
 __all__ = [  # sorted; each is documented in the README
     "Backend", "Candidate", "Config", "ConfigError", "Conflict", "ContentCapacity",
-    "ContentTooLarge", "DatabaseCapacity", "DiskFull", "Duplicate", "EmptyContent",
-    "InvalidRequest", "Key",
+    "ContentTooLarge", "DatabaseCapacity", "DiskFull", "Duplicate", "EmptyContent", "Export",
+    "InvalidExport", "InvalidRequest", "Key",
     "Limits", "MEMORY_INSTRUCTIONS", "MEMORY_REVIEW_CHECKPOINT", "MemoryDisabled", "MemoryTool",
-    "NotFound",
+    "Merged", "NotFound",
     "NotRoot", "QueryTooLarge", "RECOMMENDED_MIN_COVERAGE", "Record", "RecordCapacity",
     "ReviewCheckpoint", "ScanRequired",
-    "ScanResult", "SecretRejected", "StorageError", "Store", "StoreBusy", "TactmemError",
+    "ScanResult", "SecretRejected", "StorageError", "Store", "StoreBusy", "StoreNotEmpty",
+    "TactmemError",
     "UnsupportedSchema", "find_secret", "load_config", "main", "memory_db_path",
     "normalized_identity", "preview", "rank", "resolve_config_path", "tokenize", "tool_definition",
     "with_memory_instructions",
@@ -619,6 +621,19 @@ class InvalidRequest(TactmemError):
     message = "memory request is invalid"
 
 
+class InvalidExport(TactmemError):
+    """A file that is not an export this build can take; the message names the line at fault
+    (line 1 is the manifest) and the reason, never the file's content."""
+
+    code = "invalid_export"
+    message = "the export file is not valid"
+
+
+class StoreNotEmpty(TactmemError):
+    code = "store_not_empty"
+    message = "memory restore needs a new, empty store; this one holds or has held records"
+
+
 class ConfigError(TactmemError):
     code = "invalid_config"
     message = "the config file is invalid"
@@ -716,6 +731,29 @@ class ScanResult:
     abstained: bool
     candidates: tuple[Candidate, ...]
     reason: _Abstention | None = None
+
+
+@attrs.frozen
+class Export:
+    """An export file (`data`, JSON lines) and what it holds: its records and their content
+    bytes, and the rows it leaves out (hidden ones; expired ones, which the next operation
+    prunes)."""
+
+    data: bytes = attrs.field(repr=False)
+    records: int
+    content_bytes: int
+    next_id: int
+    hidden: int
+    expired: int
+
+
+@attrs.frozen
+class Merged:
+    """What merging an export did (or, for a dry run, would do): records inserted and records
+    skipped because an equivalent one was in the store or earlier in the file."""
+
+    inserted: int
+    skipped: int
 
 
 # ============================================================================ core (pure)
@@ -1844,6 +1882,78 @@ class _Totals(NamedTuple):
         return _Totals(self.rows - 1, self.content_bytes - size, self.expires)
 
 
+class _Batch(NamedTuple):
+    """What a store holds when an export is merged into it or restored, read in that one
+    transaction (after the prune, for a merge)."""
+
+    rows: int
+    content_bytes: int
+    next_id: object  # the allocator's next id, as `_PutState.next_id`
+    identities: frozenset[object]  # every row's normalized identity, hidden rows' too
+
+
+_NEW_STORE: Final = _Batch(0, 0, 1, frozenset())  # what a store holds before its first write
+
+
+def _on_line(line: int, error: TactmemError) -> TactmemError:
+    """`error`, raised by the record on `line` of an export, with a message naming the line."""
+    error.args = (f"export line {line}: {error}",)
+    return error
+
+
+def _plan_merge(
+    records: Sequence[tuple[int, Record]], batch: _Batch, limits: Limits, now_ms: int
+) -> tuple[list[tuple[Record, str]], int]:
+    """Merge like Tact's `pull`: in file order, each record checked as a put (`_check_put`),
+    skipped when its identity is in the store or earlier in the file, else planned by
+    `_plan_put` against the store as the inserts before it leave it, so it gets the next id,
+    version 1, fresh probation and no telemetry. Returns the inserts (with their identities)
+    and the number skipped; the first record that breaks a rule or a bound fails the whole
+    batch, naming its line."""
+    seen, inserts = set(batch.identities), list[tuple[Record, str]]()
+    rows, size, next_id = batch.rows, batch.content_bytes, batch.next_id
+    for line, record in records:
+        try:
+            put = _check_put(record.content, None, limits, now_ms)
+            if put.identity in seen:
+                continue
+            state = _PutState(
+                rows=rows, content_bytes=size, next_id=next_id, duplicate_of=None,
+                target_version=None, target_bytes=0, target_created_at_ms=None,
+            )  # fmt: skip
+            new = _plan_put(put, state, limits).record
+        except TactmemError as error:
+            raise _on_line(line, error) from None
+        seen.add(put.identity)
+        inserts.append((new, put.identity))
+        rows, size, next_id = rows + 1, size + put.size, new.key.id + 1
+    return inserts, len(records) - len(inserts)
+
+
+def _plan_restore(
+    records: Sequence[tuple[int, Record]], batch: _Batch, limits: Limits
+) -> list[tuple[Record, str]]:
+    """Restore a backup exactly, ids and all, into a store that never held a record (no row,
+    no id handed out, so no key an agent holds for it can address a restored record). Each
+    record is checked as a put is (content, secret, duplicate, row and byte bounds); the
+    first that fails fails the whole batch, naming its line."""
+    if batch.rows or batch.next_id != 1:
+        raise StoreNotEmpty()
+    seen, restored, size = set[str](), list[tuple[Record, str]](), 0
+    for line, record in records:
+        try:
+            put = _check_put(record.content, None, limits, 0)
+            if put.identity in seen:
+                raise Duplicate()
+            _check_insert(len(restored), size, put.size, limits)
+        except TactmemError as error:
+            raise _on_line(line, error) from None
+        seen.add(put.identity)
+        restored.append((record, put.identity))
+        size += put.size
+    return restored
+
+
 # ------------------------------------------------------------------------ the storage boundary
 
 
@@ -1857,7 +1967,9 @@ class Backend(Protocol):
     `_plan_scan`, `_plan_read`, `_plan_put` or `_check_version` (the delete plan), and write
     exactly the plan. Rows that `_hidden` (read and list: `_shown`) rejects count against
     every bound but never reach an agent. Every failure is a `TactmemError` and changes
-    nothing."""
+    nothing. A backend that offers export, merge and restore (as `Store` does) writes files
+    with `_export_file` and takes them with `_parse_export`, then plans the whole batch in one
+    transaction with `_plan_merge` or `_plan_restore`."""
 
     @property
     def limits(self) -> Limits: ...
@@ -2872,16 +2984,17 @@ def _check_line(
     fields: tuple[tuple[str, ...], tuple[str, ...]],
     checks: Mapping[str, tuple[Callable[[Any], bool], str]],
     what: str,
+    bad: type[TactmemError] = _BadScenario,
 ) -> None:
     """Every required field present, no unknown one, each holding what `checks` says."""
     try:
         _check_fields(value, *fields, what)
     except InvalidRequest as error:
-        raise _BadScenario(f"{where}: {error}") from None
+        raise bad(f"{where}: {error}") from None
     for name, field in value.items():
         check, wanted = checks[name]
         if not check(field):
-            raise _BadScenario(f"{where}: {what} field {name!r} must be {wanted}")
+            raise bad(f"{where}: {what} field {name!r} must be {wanted}")
 
 
 def _parse_scenario(text: str, source: str) -> tuple[Limits, list[_EvalStep]]:
@@ -3380,6 +3493,189 @@ def _paired_lines(report: Mapping[str, Any]) -> Iterator[str]:
     yield f"verdict: {report['verdict']}"
 
 
+# ------------------------------------------------------------------------ export files
+# `tactmem export`, `import` and `restore` (README, "Export, import and restore"): a manifest
+# line, then one line per record in the reference's record JSON (§6), ids ascending.
+
+_EXPORT_FORMAT: Final = "tactmem-export"
+_EXPORT_VERSION: Final = 1
+_EXPORT_MANIFEST_BYTES: Final = 4096  # the manifest line: names, a version, numbers, a hash
+_EXPORT_RECORD_BYTES: Final = 512  # a record line's field names and numbers, beside its content
+
+
+def _export_bytes(limits: Limits) -> int:
+    """The largest export a store with `limits` can write: its manifest, and each record's
+    fields and numbers, with its content escaped at worst (six bytes, `\u001f`, for one)."""
+    content = min(limits.total_content_bytes, limits.records * limits.content_bytes)
+    return _EXPORT_MANIFEST_BYTES + limits.records * _EXPORT_RECORD_BYTES + 6 * content
+
+
+def _json_line(value: object) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def _export_file(
+    rows: Sequence[Record], next_id: object, limits: Limits, now_ms: int, version: str
+) -> Export:
+    """The export of a store's rows: every visible one not expired at `now_ms`, by id, after
+    a manifest naming the format, the `version` of tactmem that wrote it, the limits, the
+    counts, the allocator's next id and the SHA-256 of the record lines. The same rows give
+    the same bytes."""
+    import hashlib
+
+    if type(next_id) is not int or not _addressable(next_id):
+        raise StorageError("memory database's id allocator is not a whole number")
+    shown = sorted(filter(_shown, rows), key=lambda record: record.key.id)
+    live = [r for r in shown if not _expired(r.use_count, r.probation_until_ms, now_ms)]
+    body = "".join(_json_line(_to_json(record)) for record in live).encode()
+    size = sum(len(record.content.encode()) for record in live)
+    manifest = {
+        "format": _EXPORT_FORMAT, "format_version": _EXPORT_VERSION,
+        "tactmem_version": version, "limits": attrs.asdict(limits),
+        "records": len(live), "content_bytes": size, "next_id": next_id,
+        "sha256": hashlib.sha256(body).hexdigest(),
+    }  # fmt: skip
+    hidden, expired = len(rows) - len(shown), len(shown) - len(live)
+    return Export(_json_line(manifest).encode() + body, len(live), size, next_id, hidden, expired)
+
+
+def _short_int(text: str) -> int:
+    """A JSON integer of at most 19 digits: a longer one cannot be a 64-bit number (and
+    Python would spend time on thousands of digits)."""
+    if len(text.lstrip("-")) > 19:
+        raise ValueError("a long number")
+    return int(text)
+
+
+# Why `json.loads` refused a line, by what `_once`, `_reject_constant` and `_short_int` raise.
+_JSON_FAULTS: Final = {
+    "a repeated field": "repeats a field",
+    "a long number": "holds a number beyond 64 bits",
+    **dict.fromkeys(("NaN", "Infinity", "-Infinity"), "holds NaN or Infinity, which JSON lacks"),
+}
+
+
+def _export_object(text: str, line: int) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(
+            text, parse_constant=_reject_constant, parse_int=_short_int, object_pairs_hook=_once
+        )
+    except RecursionError:
+        raise InvalidExport(f"export line {line}: is nested too deeply") from None
+    except ValueError as error:
+        fault = _JSON_FAULTS.get(str(error), "is not valid JSON")
+        raise InvalidExport(f"export line {line}: {fault}") from None
+    if not isinstance(value, dict):
+        raise InvalidExport(f"export line {line}: is not a JSON object")
+    return value
+
+
+def _is_id(value: object) -> bool:
+    return _is_count(value) and value != 0
+
+
+def _is_sql_int(value: object) -> bool:
+    return type(value) is int and -_MAX_SQL_INT - 1 <= value <= _MAX_SQL_INT
+
+
+_Check = tuple[Callable[[Any], bool], str]
+_SQL_TIME: Final[_Check] = (_is_sql_int, "a 64-bit integer")
+_OPTIONAL_TIME: Final[_Check] = (lambda v: v is None or _is_sql_int(v), "a 64-bit integer or null")
+_COUNT: Final[_Check] = (_is_count, f"an integer from 0 to {_MAX_SQL_INT}")
+# Every field of a record line, in the record's order, and what it must hold: what `_shown`
+# lets a store show, so that every export restores.
+_RECORD_FIELDS: Final[dict[str, _Check]] = {
+    "key": (lambda v: isinstance(v, dict) and v.keys() == {"id", "version"}
+            and all(map(_is_id, v.values())), f"id and version, each from 1 to {_MAX_SQL_INT}"),
+    "content": (_is_text, "a string of text"),
+    "created_at_ms": _SQL_TIME, "updated_at_ms": _SQL_TIME, "last_scanned_at_ms": _OPTIONAL_TIME,
+    "scan_count": _COUNT, "last_used_at_ms": _OPTIONAL_TIME, "use_count": _COUNT,
+    "probation_until_ms": _OPTIONAL_TIME,
+}  # fmt: skip
+_MANIFEST_FIELDS: Final[dict[str, _Check]] = {
+    "format": (lambda v: v == _EXPORT_FORMAT, repr(_EXPORT_FORMAT)),
+    "format_version": (lambda v: v == _EXPORT_VERSION, str(_EXPORT_VERSION)),
+    "tactmem_version": (_is_text, "a string of text"),
+    "limits": (lambda v: isinstance(v, dict) and v.keys() == set(_LIMIT_FIELDS)
+               and all(map(_is_id, v.values())), "the seven limits, each a positive integer"),
+    "records": _COUNT, "content_bytes": _COUNT,
+    "next_id": (_is_id, f"an integer from 1 to {_MAX_SQL_INT}"),
+    "sha256": (lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None,
+               "64 lowercase hexadecimal digits"),
+}  # fmt: skip
+
+
+class _Parsed(NamedTuple):
+    """An export file checked through: its allocator's next id and its records, each with
+    the number of its line."""
+
+    next_id: int
+    records: tuple[tuple[int, Record], ...]
+
+
+def _parse_manifest(text: str) -> dict[str, Any]:
+    manifest = _export_object(text, 1)
+    if manifest.get("format") != _EXPORT_FORMAT:
+        raise InvalidExport(f"export line 1: is not a {_EXPORT_FORMAT} manifest")
+    version = manifest.get("format_version")
+    if type(version) is int and version > _EXPORT_VERSION:
+        raise InvalidExport(
+            f"export line 1: format version {version} is newer than this build reads"
+            f" ({_EXPORT_VERSION}); use a newer tactmem"
+        )
+    fields = (tuple(_MANIFEST_FIELDS), ())
+    _check_line("export line 1", manifest, fields, _MANIFEST_FIELDS, "manifest", InvalidExport)
+    return manifest
+
+
+def _parse_record(text: str, line: int) -> Record:
+    value, fields = _export_object(text, line), (tuple(_RECORD_FIELDS), ())
+    _check_line(f"export line {line}", value, fields, _RECORD_FIELDS, "record", InvalidExport)
+    key = value["key"]
+    return Record.from_row((key["id"], key["version"], *map(value.get, list(_RECORD_FIELDS)[1:])))
+
+
+def _parse_export(data: bytes, limits: Limits) -> _Parsed:
+    """Check an export through before anything is written: its size (at most
+    `_export_bytes(limits)`), UTF-8, the manifest, the SHA-256 of the record lines, then each
+    record line, ids ascending below the manifest's next id, and the manifest's counts. The
+    error names the line and the reason, never the content."""
+    import hashlib
+
+    if len(data) > _export_bytes(limits):
+        most = _export_bytes(limits)
+        raise InvalidExport(f"export file: larger than this store's limits allow ({most} bytes)")
+    try:
+        lines = data.decode("utf-8").split("\n")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise InvalidExport(f"export line {line}: is not UTF-8 text") from None
+    if not data or lines[-1]:
+        raise InvalidExport(f"export line {len(lines)}: is cut short (no newline at its end)")
+    manifest = _parse_manifest(lines[0])
+    if hashlib.sha256(data[data.index(b"\n") + 1 :]).hexdigest() != manifest["sha256"]:
+        raise InvalidExport("export line 1: the record lines do not match its sha256")
+    records = tuple((line, _parse_record(text, line)) for line, text in enumerate(lines[1:-1], 2))
+    last = 0
+    for line, record in records:
+        if record.key.id <= last:
+            raise InvalidExport(f"export line {line}: its id is not above the one before")
+        last = record.key.id
+    if last >= manifest["next_id"]:
+        raise InvalidExport(f"export line {len(records) + 1}: its id is not below next_id")
+    size = sum(len(record.content.encode()) for _, record in records)
+    for name, found in (("records", len(records)), ("content_bytes", size)):
+        if manifest[name] != found:
+            raise InvalidExport(
+                f"export line 1: says {manifest[name]} {name}; the file has {found}"
+            )
+    return _Parsed(manifest["next_id"], records)
+
+
 # ============================================================================ shell (I/O)
 
 _SCHEMA: Final = (
@@ -3429,11 +3725,14 @@ _TOTALS: Final = (
     " use_count = 0 AND typeof(probation_until_ms) IN ('integer', 'real')"
     " THEN probation_until_ms END) FROM memories"
 )
-# What a put reads for its `_PutState` besides the totals: the next id (two index lookups);
-# the row with the same identity; the replaced row's version, bytes and creation time.
-_PUT_READS: Final = (
+# The allocator's next id, never one a row had before (two index lookups).
+_NEXT_ID: Final = (
     "SELECT MAX(COALESCE((SELECT MAX(id) FROM memories), 0) + 1,"
-    " (SELECT MAX(next_id) FROM memory_metadata))",
+    " (SELECT MAX(next_id) FROM memory_metadata))"
+)
+# What a put reads for its `_PutState` besides the totals and the next id: the row with the
+# same identity; the replaced row's version, bytes and creation time.
+_PUT_READS: Final = (
     "SELECT id FROM memories WHERE normalized_identity = ?",
     "SELECT version, COALESCE(length(CAST(content AS BLOB)), 0), created_at_ms FROM memories"
     " WHERE id = ?",
@@ -3464,6 +3763,14 @@ _UPDATE: Final = (
     " use_count = ?, probation_until_ms = ? WHERE id = ?"
 )
 _SQL_CHUNK: Final = 500  # ids bound per `IN (...)`, under every SQLite variable limit
+# What a merge and a restore read for their `_Batch` besides `_TOTALS` and `_NEXT_ID`.
+_IDENTITIES: Final = "SELECT normalized_identity FROM memories"
+# A restored record: every column as the export has it.
+_RESTORE: Final = (
+    "INSERT INTO memories (id, version, content, normalized_identity, created_at_ms,"
+    " updated_at_ms, last_scanned_at_ms, scan_count, last_used_at_ms, use_count,"
+    " probation_until_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
 
 
 def _now_ms(now_ms: int | None = None) -> int:
@@ -3763,6 +4070,12 @@ def _records(connection: sqlite3.Connection, ids: Sequence[int]) -> Iterator[Rec
         yield from map(Record.from_row, connection.execute(query, chunk))
 
 
+def _read_batch(connection: sqlite3.Connection) -> _Batch:
+    rows, size, _ = connection.execute(_TOTALS).fetchone()
+    (next_id,) = connection.execute(_NEXT_ID).fetchone()
+    return _Batch(rows, size, next_id, frozenset(row[0] for row in connection.execute(_IDENTITIES)))
+
+
 class Store:
     """The memory store at one SQLite file, the default `Backend`. Thread-safe; nothing touches
     disk until the first operation, and only a `TactmemError` ever leaves one. Each operation is
@@ -3850,11 +4163,11 @@ class Store:
         """Add a conclusion, or replace the record at `replace` if its version still matches."""
         put = _check_put(content, replace, self.limits, _now_ms(now_ms))
         target = (replace.id,) if replace is not None and _addressable(replace.id) else None
-        allocator, duplicate, replaced = _PUT_READS
+        duplicate, replaced = _PUT_READS
         with self._transaction(prune_at=put.now_ms) as connection:
             totals = self._totals
             assert totals is not None  # the prune leaves them known
-            (next_id,) = connection.execute(allocator).fetchone()
+            (next_id,) = connection.execute(_NEXT_ID).fetchone()
             (same,) = connection.execute(duplicate, (put.identity,)).fetchone() or (None,)
             old = connection.execute(replaced, target).fetchone() if target else None
             state = _PutState(
@@ -3895,6 +4208,65 @@ class Store:
             records = list(map(Record.from_row, rows))
         return tuple(filter(_shown, records))
 
+    def export(self, *, now_ms: int | None = None) -> Export:
+        """The store as an export file: every visible record not expired at `now_ms`, by id.
+        Changes nothing (no telemetry, no prune); a store whose file does not exist yet
+        exports as empty, and still has no file."""
+        now = _now_ms(now_ms)
+        if not os.path.exists(self.path):
+            return _export_file((), 1, self.limits, now, __version__)
+        with self._transaction() as connection:
+            rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
+            records = list(map(Record.from_row, rows))
+            (next_id,) = connection.execute(_NEXT_ID).fetchone()
+        return _export_file(records, next_id, self.limits, now, __version__)
+
+    def merge(self, data: bytes, *, dry_run: bool = False, now_ms: int | None = None) -> Merged:
+        """Merge an export file in one transaction, as Tact's `pull` does (`_plan_merge`):
+        new records get fresh ids, version 1, fresh probation and no telemetry; records whose
+        identity the store or an earlier line holds are skipped. `dry_run` does the same and
+        rolls it back (a store with no file yet is planned as empty, and not created)."""
+        parsed, now = _parse_export(data, self.limits), _now_ms(now_ms)
+        if dry_run and not os.path.exists(self.path):
+            inserts, skipped = _plan_merge(parsed.records, _NEW_STORE, self.limits, now)
+            return Merged(len(inserts), skipped)
+        with self._transaction(prune_at=now, commit=not dry_run) as connection:
+            inserts, skipped = _plan_merge(
+                parsed.records, _read_batch(connection), self.limits, now
+            )
+            connection.executemany(
+                _INSERT,
+                [
+                    (new.key.id, new.key.version, new.content, identity, new.created_at_ms,
+                     new.updated_at_ms, new.probation_until_ms)
+                    for new, identity in inserts
+                ],
+            )  # fmt: skip
+            self._stale, self._totals = True, None
+        return Merged(len(inserts), skipped)
+
+    def restore(self, data: bytes, *, now_ms: int | None = None) -> int:
+        """Recreate a backup exactly (`_plan_restore`) in a store that never held a record:
+        ids, versions, times, telemetry, probation and the allocator's next id. Returns the
+        number of records restored."""
+        del now_ms  # a restore records no time; the parameter keeps the API uniform
+        parsed = _parse_export(data, self.limits)
+        with self._transaction() as connection:
+            restored = _plan_restore(parsed.records, _read_batch(connection), self.limits)
+            connection.executemany(
+                _RESTORE,
+                [
+                    (old.key.id, old.key.version, old.content, identity,
+                     *attrs.astuple(old, recurse=False)[2:])
+                    for old, identity in restored
+                ],
+            )  # fmt: skip
+            connection.execute(
+                "UPDATE memory_metadata SET next_id = ? WHERE id = 1", (parsed.next_id,)
+            )
+            self._stale, self._totals = True, None
+        return len(restored)
+
     def _stats(self, *, now_ms: int | None = None) -> dict[str, Any]:
         """Usage against every bound (for `tactmem stats`); prunes like `list`."""
         with self._transaction(prune_at=_now_ms(now_ms)) as connection:
@@ -3925,9 +4297,12 @@ class Store:
     # -------------------------------------------------------------------- plumbing
 
     @contextlib.contextmanager
-    def _transaction(self, *, prune_at: int | None = None) -> Iterator[sqlite3.Connection]:
-        """One `BEGIN IMMEDIATE` ... `COMMIT`, first pruning the rows `_expired` names at
-        `prune_at` when it is given; any failure rolls everything back."""
+    def _transaction(
+        self, *, prune_at: int | None = None, commit: bool = True
+    ) -> Iterator[sqlite3.Connection]:
+        """One `BEGIN IMMEDIATE` ... `COMMIT` (`ROLLBACK` without `commit`), first pruning the
+        rows `_expired` names at `prune_at` when it is given; any failure rolls everything
+        back."""
         with self._lock:
             try:
                 connection = self._connect()
@@ -3940,8 +4315,10 @@ class Store:
                     if prune_at is not None:
                         self._prune(connection, prune_at)
                     yield connection
-                    connection.execute("COMMIT")
+                    connection.execute("COMMIT" if commit else "ROLLBACK")
                     self._seen_version = data_version  # a connection's own commits keep it
+                    if not commit:  # a prune rolled back too
+                        self._totals = None
                 except BaseException:
                     self._stale = True
                     self._totals = None
@@ -4838,6 +5215,88 @@ def _stats_command(store: Store, arguments: argparse.Namespace, config: Config |
         print(f"tactmem: warning: group or others may read or write {place}", file=sys.stderr)
 
 
+def _read_export(name: str, limits: Limits) -> bytes:
+    """An export file, or standard input for `-`: at most one byte more than the largest
+    export `limits` allow (which `_parse_export` refuses), so a huge input is never held."""
+    most = _export_bytes(limits)
+    if name == "-":
+        if sys.stdin is None:
+            raise InvalidRequest("there is no standard input to read the export from")
+        data = getattr(sys.stdin, "buffer", sys.stdin).read(most + 1)
+        return data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
+    try:
+        found = _read_small_file(name, most)
+    except OSError as error:
+        raise InvalidExport(f"export file: cannot be read ({error.strerror})") from None
+    except ValueError:
+        raise InvalidExport("export file: a name no file can have") from None
+    if found is None:
+        raise InvalidExport("export file: not a regular file")
+    return found
+
+
+def _write_private(name: str, data: bytes) -> None:
+    """Write a whole file `0600` or nothing: a temporary file beside it, then a rename."""
+    import tempfile
+
+    try:
+        directory = os.path.dirname(os.path.abspath(name))
+        descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=".tactmem-export-")
+    except ValueError:
+        raise InvalidRequest("the export file's name is one no file can have") from None
+    try:
+        with open(descriptor, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def _export_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
+    """`export [FILE|-]`: the file, or standard output; what it holds on stdout (`--json`:
+    as an object) when it goes to a file, and on stderr what it left out."""
+    with contextlib.suppress(OSError, ValueError):  # no such file: it cannot be the database
+        if arguments.file != "-" and os.path.samefile(arguments.file, store.path):
+            raise InvalidRequest("the export file named is the database itself")
+    export = store.export()
+    if arguments.file == "-":
+        sys.stdout.flush()
+        if hasattr(sys.stdout, "buffer"):
+            sys.stdout.buffer.write(export.data)
+        else:  # standard output was replaced by a text stream
+            sys.stdout.write(export.data.decode())
+    else:
+        _write_private(arguments.file, export.data)
+        summary = attrs.asdict(export, filter=lambda field, _: field.name != "data")
+        counts = f"{export.records} records ({export.content_bytes} content bytes)"
+        print(_json(summary) if arguments.json else f"exported {counts}")
+    if export.hidden or export.expired:
+        print(
+            f"tactmem: warning: left out {export.hidden} hidden records (secret-shaped or"
+            f" malformed) and {export.expired} whose probation has ended",
+            file=sys.stderr,
+        )
+
+
+def _import_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
+    """`import FILE|- [--dry-run]`: merge, and say how many records were inserted and skipped."""
+    merged = store.merge(_read_export(arguments.file, store.limits), dry_run=arguments.dry_run)
+    if arguments.json:
+        print(_json({**attrs.asdict(merged), "dry_run": arguments.dry_run}))
+        return
+    done = ("would import", "; nothing was written") if arguments.dry_run else ("imported", "")
+    print(f"{done[0]} {merged.inserted} records, skipped {merged.skipped} already held{done[1]}")
+
+
+def _restore_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
+    restored = store.restore(_read_export(arguments.file, store.limits))
+    print(_json({"restored": restored}) if arguments.json else f"restored {restored} records")
+
+
 def _browse_command(store: Backend, _: argparse.Namespace, config: Config | None) -> None:
     _browse(store, None if config is None else config.memory_enabled)  # the human is trusted
 
@@ -4892,6 +5351,9 @@ _COMMANDS: Final[dict[str, tuple[str, _Run | None]]] = {
     "delete": ("delete a record, naming the version you expect", _operation_command),
     "list": ("list every record without touching telemetry", _list_command),
     "stats": ("show usage against every bound", _stats_command),
+    "export": ("write every record to an export file (JSON lines), or stdout", _export_command),
+    "import": ("merge an export file: new records only, with fresh ids", _import_command),
+    "restore": ("recreate a backup exactly, into a new and empty store", _restore_command),
     "browse": ("browse, read and delete memories in the terminal", _browse_command),
     "tool": ("serve the memory tool as JSON lines on stdin and stdout", _serve_command),
     "mcp": ("serve the memory tool over MCP stdio (needs tactmem[mcp])", _serve_command),
@@ -4928,6 +5390,16 @@ def _build_parser() -> _Parser:
     sub["put"].add_argument("--replace", metavar="ID@VERSION", type=_parse_key_argument)
     sub["delete"].add_argument("key", metavar="ID@VERSION", type=_parse_key_argument)
     sub["list"].add_argument("--sort", choices=_SORT_MODES, default="useful")
+    sub["export"].add_argument(
+        "file",
+        metavar="FILE",
+        nargs="?",
+        default="-",
+        help="the file to write (default -: standard output)",
+    )
+    for name in ("import", "restore"):
+        sub[name].add_argument("file", metavar="FILE", help="an export file, or - for stdin")
+    sub["import"].add_argument("--dry-run", action="store_true", help="check, write nothing")
     for name in ("tool", "mcp"):
         sub[name].add_argument(
             "--child", action="store_true", help="a child agent: scan and read only"

@@ -1258,6 +1258,34 @@ class StoreMatchesModel(RuleBasedStateMachine):
         self.model.last_id += 1
         self.model.rows[record.key.id] = record
 
+    @rule(agent=agents)
+    def export_and_restore(self, agent: int) -> None:
+        """Export (which changes nothing: the invariant reads the file), then restore it into
+        a new store with the same limits: it holds every visible live record exactly, and
+        the allocator, and exports the same bytes; merged into another new store, the same
+        contents get fresh keys."""
+        now = self.model.now
+        backup = self.stores[agent].export(now_ms=now)
+        live = [row for _, row in sorted(self.model.pruned().items()) if self.model.visible(row)]
+        assert (backup.records, backup.next_id) == (len(live), self.model.last_id + 1)
+        event(f"exported {len(live)} of {len(self.model.rows)} rows")
+        with fast_tmp() as directory:
+            restored = Store(os.path.join(directory, "restored.sqlite3"), limits=TINY)
+            merged = Store(os.path.join(directory, "merged.sqlite3"), limits=TINY)
+            with restored, merged:
+                assert restored.restore(backup.data) == len(live)
+                assert restored.list(now_ms=now) == tuple(live)
+                assert restored.export(now_ms=now).data == backup.data
+                with raw(Path(restored.path)) as connection:
+                    allocator = connection.execute("SELECT next_id FROM memory_metadata")
+                    assert allocator.fetchone() == (self.model.last_id + 1,)
+                assert merged.merge(backup.data, now_ms=now) == tactmem.Merged(len(live), 0)
+                fresh = merged.list(now_ms=now)
+                assert [record.content for record in fresh] == [row.content for row in live]
+                assert [record.key for record in fresh] == [
+                    Key(i, 1) for i in range(1, len(live) + 1)
+                ]
+
     # -------------------------------------------------------------------- invariants
 
     @invariant()
@@ -1647,7 +1675,7 @@ ARGV_WORDS = st.sampled_from(
         "scan", "read", "put", "delete", "list", "stats", "tool", "demo", "--json", "--limit",
         "--replace", "--sort", "--child", "--help", "--version", "--db", "--config", "-", "1",
         "0", "1@1", "2@9", "-1", "99999999999999999999", "newest", "x", "", " ", "\udcff",
-        "password = hunter22", "@", "1@", "--", "-h",
+        "password = hunter22", "@", "1@", "--", "-h", "export", "import", "restore", "--dry-run",
     ]
 )  # fmt: skip
 COMMANDS = st.one_of(
@@ -1658,7 +1686,9 @@ COMMANDS = st.one_of(
     st.tuples(NASTY_TEXT, st.sampled_from([[], ["--replace", "1@1"], ["--replace", "2@5"]]))
     .map(lambda parts: ["put", parts[0], *parts[1]]),
     st.sampled_from([["delete", "1@1"], ["delete", "2@1"], ["delete", "1@"], ["list"],
-                     ["list", "--sort", "least"], ["stats"], ["tool"], ["tool", "--child"]]),
+                     ["list", "--sort", "least"], ["stats"], ["tool"], ["tool", "--child"],
+                     ["export"], ["export", "out.jsonl"], ["import", "-"], ["restore", "-"],
+                     ["import", "--dry-run", "out.jsonl"], ["restore", "out.jsonl"]]),
 )  # fmt: skip
 
 

@@ -63,6 +63,7 @@ from tactmem import (
     MemoryTool,
     NotFound,
     QueryTooLarge,
+    Record,
     RecordCapacity,
     ReviewCheckpoint,
     SecretRejected,
@@ -1096,16 +1097,26 @@ def test_ref43_raw_row_advances_the_allocator(tiny: Store, db: Path) -> None:
     assert tiny.put("next", now_ms=1).key.id == 2
 
 
-def test_opens_a_database_written_by_the_v1_original(db: Path) -> None:
-    db.parent.mkdir()
-    with raw(db) as connection:  # the 3c0eb78 schema: no allocator table, no trigger
+def write_v1_original(db: Path, *rows: tuple[object, ...]) -> None:
+    """A file as the Rust original's first version (3c0eb78) writes it: the v1 schema with no
+    allocator table and no trigger, holding `rows` (every column but the identity, in
+    `RECORD_COLUMNS` order)."""
+    db.parent.mkdir(exist_ok=True)
+    with raw(db) as connection:
         connection.execute(tactmem._SCHEMA[0])
         connection.execute("PRAGMA user_version = 1")
-        connection.execute(
-            "INSERT INTO memories (id, content, normalized_identity, created_at_ms, updated_at_ms,"
-            " probation_until_ms, version) VALUES (5, 'Rust wrote this', 'rust wrote this', 1, 1,"
-            " NULL, 3)"
+        connection.executemany(
+            f"INSERT INTO memories ({RECORD_COLUMNS}, normalized_identity)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(*row, normalized_identity(str(row[2]))) for row in rows],
         )
+
+
+RECORD_COLUMNS = tactmem._RECORD_COLUMNS
+
+
+def test_opens_a_database_written_by_the_v1_original(db: Path) -> None:
+    write_v1_original(db, (5, 3, "Rust wrote this", 1, 1, None, 0, None, 0, None))
     store = Store(db)
     (record,) = store.list(now_ms=2)
     assert record.key == Key(5, 3) and record.content == "Rust wrote this"
@@ -1963,6 +1974,583 @@ def test_python_m_tactmem_in_a_subprocess(tmp_path: Path) -> None:
         capture_output=True, text=True, cwd=HERE,
     )  # fmt: skip
     assert (bad.returncode, bad.stderr) == (3, "tactmem: memory was not found\n")
+
+
+# ============================================================================ export and restore
+# SPEC §7 and issue 15: `Store.export`, `merge` and `restore` and their commands. Every refusal
+# is checked to leave the database file byte for byte as it was.
+
+EXPORT_NOW = 10_000
+
+
+def sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def export_lines(data: bytes) -> list[dict[str, Any]]:
+    """An export's lines as JSON objects, the manifest first."""
+    return [json.loads(line) for line in data.decode().splitlines()]
+
+
+def export_bytes(
+    manifest: dict[str, Any], records: Sequence[object], *, rehash: bool = True
+) -> bytes:
+    """An export file made by hand, as `tactmem export` lays one out; with `rehash` the
+    manifest's hash (and counts) are made to fit the records, as a careful forger would."""
+    body = "".join(
+        (record if isinstance(record, str) else json.dumps(record, ensure_ascii=False)) + "\n"
+        for record in records
+    ).encode()
+    if rehash:
+        contents = [r["content"] for r in records if isinstance(r, dict)]
+        manifest = {**manifest, "sha256": sha256(body), "records": len(records),
+                    "content_bytes": sum(len(c.encode()) for c in contents)}  # fmt: skip
+    return json.dumps(manifest).encode() + b"\n" + body
+
+
+def rows_of(path: Path) -> list[tuple[Any, ...]]:
+    """Every column of every row, and the allocator's next id, read beside the store."""
+    with raw(path) as connection:
+        rows = connection.execute(
+            f"SELECT {RECORD_COLUMNS}, normalized_identity FROM memories ORDER BY id"
+        ).fetchall()
+        return [*rows, connection.execute("SELECT next_id FROM memory_metadata").fetchone()]
+
+
+def used_store(path: Path, start_ms: int = 0) -> Store:
+    """A store with history from `start_ms` on: scanned, read, replaced and deleted records,
+    so an export carries telemetry, several versions and an allocator ahead of the last id."""
+    store = Store(path)
+    first = store.put("Releases are tagged by CI, never by hand.", now_ms=start_ms + 1)
+    store.put("The user prefers small, reviewable commits.", now_ms=start_ms + 2)
+    store.put("Integration tests need PGHOST=localhost and port 5433.", now_ms=start_ms + 3)
+    gone = store.put("A record that is deleted later.", now_ms=start_ms + 4)
+    store.scan("releases commits", now_ms=start_ms + 5)
+    store.read([2], now_ms=start_ms + 6)
+    replacement = "Releases are tagged by the release workflow."
+    store.put(replacement, replace=first.key, now_ms=start_ms + 7)
+    store.delete(gone.key)
+    return store
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def test_export_restore_export_is_byte_identical(tmp_path: Path) -> None:
+    source = used_store(tmp_path / "source.sqlite3")
+    backup = source.export(now_ms=EXPORT_NOW)
+    assert (backup.records, backup.next_id, backup.hidden, backup.expired) == (3, 5, 0, 0)
+    target = Store(tmp_path / "restored" / "v1.sqlite3")
+    assert target.restore(backup.data) == 3
+    assert rows_of(tmp_path / "restored" / "v1.sqlite3") == rows_of(tmp_path / "source.sqlite3")
+    assert target.export(now_ms=EXPORT_NOW).data == backup.data
+    assert target.put("After the restore.", now_ms=EXPORT_NOW).key == Key(5, 1)  # not 4: deleted
+    assert target.list(now_ms=EXPORT_NOW)[0].key == Key(1, 2)  # a key held before still works
+
+
+def test_export_is_the_reference_record_json_after_a_manifest(tmp_path: Path) -> None:
+    store = used_store(tmp_path / "m.sqlite3")
+    backup = store.export(now_ms=EXPORT_NOW)
+    manifest, *records = export_lines(backup.data)
+    assert manifest == {
+        "format": "tactmem-export", "format_version": 1, "tactmem_version": tactmem.__version__,
+        "limits": attrs.asdict(store.limits), "records": 3,
+        "content_bytes": sum(len(r["content"].encode()) for r in records), "next_id": 5,
+        "sha256": sha256(backup.data.split(b"\n", 1)[1]),
+    }  # fmt: skip
+    assert [list(record) for record in records] == [[
+        "key", "content", "created_at_ms", "updated_at_ms", "last_scanned_at_ms", "scan_count",
+        "last_used_at_ms", "use_count", "probation_until_ms",
+    ]] * 3  # fmt: skip
+    assert records == [tactmem._to_json(r) for r in store.list(now_ms=EXPORT_NOW)]
+    assert records[1]["key"] == {"id": 2, "version": 1} and records[1]["use_count"] == 1
+    assert records[0]["key"] == {"id": 1, "version": 2} and records[0]["created_at_ms"] == 1
+    assert backup.data.endswith(b"\n") and b"\n\n" not in backup.data
+    assert store.export(now_ms=EXPORT_NOW).data == backup.data  # deterministic
+
+
+def test_export_changes_nothing_and_leaves_out_hidden_and_expired_rows(db: Path) -> None:
+    store = Store(db, limits=TINY)
+    kept = store.put("kept", now_ms=1)
+    store.read([kept.key.id], now_ms=2)  # graduated: never expires
+    store.put("unread", now_ms=3)  # probation ends at 13
+    insert_raw(db, "password=w")  # hidden
+    before = db.read_bytes()
+    backup = store.export(now_ms=20)
+    assert db.read_bytes() == before  # no telemetry, no prune, nothing written
+    assert (backup.records, backup.hidden, backup.expired) == (1, 1, 1)
+    assert [r["content"] for r in export_lines(backup.data)[1:]] == ["kept"]
+    assert b"password" not in backup.data
+    assert store.export(now_ms=12).records == 2  # before the deadline, the unread one is live
+
+
+def test_a_store_without_a_file_exports_empty_and_stays_without_one(db: Path) -> None:
+    backup = Store(db, limits=TINY).export(now_ms=1)
+    assert (backup.records, backup.next_id) == (0, 1)
+    assert export_lines(backup.data)[0]["sha256"] == sha256(b"")
+    assert not db.exists() and not db.parent.exists()
+    assert Store(db, limits=TINY).merge(backup.data, dry_run=True) == tactmem.Merged(0, 0)
+    assert not db.exists()
+
+
+def test_import_merges_new_records_with_fresh_keys_and_skips_equivalents(tmp_path: Path) -> None:
+    backup = used_store(tmp_path / "source.sqlite3").export(now_ms=EXPORT_NOW).data
+    target = Store(tmp_path / "target.sqlite3")
+    for text in ("gone", "gone too"):
+        target.delete(target.put(text, now_ms=1).key)  # ids 1 and 2 are retired
+    target.put("the user PREFERS small,   reviewable commits.", now_ms=1)  # id 3
+    merged = target.merge(backup, now_ms=EXPORT_NOW)
+    assert merged == tactmem.Merged(inserted=2, skipped=1)
+    records = target.list(now_ms=EXPORT_NOW)
+    assert [record.key for record in records] == [Key(3, 1), Key(4, 1), Key(5, 1)]
+    probation = EXPORT_NOW + target.limits.probation_ms
+    for record in records[1:]:  # fresh: version 1, probation from now, no telemetry
+        assert attrs.astuple(record, recurse=False)[2:] == (
+            EXPORT_NOW,
+            EXPORT_NOW,
+            None,
+            0,
+            None,
+            0,
+            probation,
+        )
+    source = {r["content"] for r in export_lines(backup)[1:]}
+    assert {r.content for r in records[1:]} == source - {
+        "The user prefers small, reviewable commits."
+    }
+    assert target.merge(backup, now_ms=EXPORT_NOW) == tactmem.Merged(0, 3)  # idempotent
+
+
+def test_a_dry_run_reports_what_the_import_does_and_writes_nothing(tmp_path: Path) -> None:
+    backup = used_store(tmp_path / "source.sqlite3").export(now_ms=EXPORT_NOW).data
+    db, limits = tmp_path / "target.sqlite3", attrs.evolve(TINY, content_bytes=60, records=3)
+    with Store(db, limits=limits) as store:
+        store.put("expired", now_ms=1)  # a prune: rolled back with the rest, but counted
+        store.put("the user prefers small, reviewable commits.", now_ms=EXPORT_NOW)
+    before = db.read_bytes()
+    with Store(db, limits=attrs.evolve(limits, total_content_bytes=200)) as store:
+        planned = store.merge(backup, dry_run=True, now_ms=EXPORT_NOW)
+        assert db.read_bytes() == before
+        assert store.merge(backup, now_ms=EXPORT_NOW) == planned == tactmem.Merged(2, 1)
+    assert db.read_bytes() != before
+
+
+def test_an_import_past_the_page_budget_writes_nothing(tmp_path: Path) -> None:
+    rows = [Record(Key(i, 1), f"{i} " + "filler words " * 70, 1, 1, None, 0, None, 0, None)
+            for i in range(1, 61)]  # fmt: skip
+    backup = tactmem._export_file(rows, 61, Limits(), 1, tactmem.__version__).data
+    db = tmp_path / "small.sqlite3"
+    small = Store(db, limits=Limits(database_bytes=8 * 4096))
+    small.put("already here", now_ms=1)
+    small.close()
+    before = db.read_bytes()
+    for dry_run in (True, False):
+        with pytest.raises(DatabaseCapacity):
+            small.merge(backup, dry_run=dry_run, now_ms=2)
+        assert db.read_bytes() == before
+    with pytest.raises(DatabaseCapacity):
+        Store(tmp_path / "new.sqlite3", limits=Limits(database_bytes=8 * 4096)).restore(backup)
+    assert [r.content for r in small.list(now_ms=2)] == ["already here"]
+
+
+def test_import_skips_a_record_an_earlier_line_holds() -> None:
+    lines = [
+        {"key": {"id": i, "version": 1}, "content": text, "created_at_ms": 0,
+         "updated_at_ms": 0, "last_scanned_at_ms": None, "scan_count": 0,
+         "last_used_at_ms": None, "use_count": 0, "probation_until_ms": None}
+        for i, text in ((1, "Same  conclusion"), (2, "same conclusion"), (3, "another"))
+    ]  # fmt: skip
+    parsed = tactmem._parse_export(export_bytes(MANIFEST | {"next_id": 4}, lines), TINY)
+    inserts, skipped = tactmem._plan_merge(parsed.records, tactmem._NEW_STORE, TINY, 5)
+    assert [(r.key, r.content) for r, _ in inserts] == [
+        (Key(1, 1), "Same  conclusion"),
+        (Key(2, 1), "another"),
+    ]
+    assert skipped == 1
+    with pytest.raises(Duplicate, match=r"^export line 3: an equivalent memory already exists$"):
+        tactmem._plan_restore(parsed.records, tactmem._NEW_STORE, TINY)
+
+
+def test_plan_merge_counts_the_whole_batch_against_the_bounds() -> None:
+    records = [(line, Record(Key(line, 1), f"fact {line}", 0, 0, None, 0, None, 0, None))
+               for line in range(2, 6)]  # fmt: skip
+    batch = tactmem._Batch(rows=2, content_bytes=50, next_id=9, identities=frozenset({"fact 3"}))
+    inserts, skipped = tactmem._plan_merge(records[:2], batch, TINY, 0)
+    assert ([r.key.id for r, _ in inserts], skipped) == ([9], 1)
+    with pytest.raises(RecordCapacity, match=r"^export line 5: memory record capacity of 4"):
+        tactmem._plan_merge(records, batch, TINY, 0)  # 2 rows + facts 2 and 4: 5 is too many
+    with pytest.raises(ContentCapacity, match=r"^export line 2: memory content"):
+        tactmem._plan_merge(records, batch._replace(content_bytes=60), TINY, 0)
+
+
+def test_plan_restore_needs_a_store_that_never_held_a_record() -> None:
+    record = Record(Key(3, 2), "x", 0, 0, None, 0, None, 0, None)
+    for batch in (tactmem._Batch(1, 1, 2, frozenset()), tactmem._Batch(0, 0, 2, frozenset())):
+        with pytest.raises(tactmem.StoreNotEmpty):
+            tactmem._plan_restore([(2, record)], batch, TINY)
+    assert tactmem._plan_restore([(2, record)], tactmem._NEW_STORE, TINY) == [(record, "x")]
+
+
+def test_restore_refuses_a_store_that_holds_or_held_records(db: Path) -> None:
+    backup = used_store(db.parent / "source.sqlite3").export(now_ms=EXPORT_NOW).data
+    store = Store(db)
+    store.delete(store.put("once here", now_ms=1).key)
+    before = db.read_bytes()
+    with pytest.raises(tactmem.StoreNotEmpty) as caught:
+        store.restore(backup)
+    assert caught.value.code == "store_not_empty" and db.read_bytes() == before
+
+
+def test_the_largest_lines_fit_the_size_bound() -> None:
+    """`_export_bytes` is the largest export a store's limits allow: the widest record line
+    and manifest fit their allowances (every number at 64 bits, content all escapes)."""
+    most, least = 2**63 - 1, -(2**63)
+    widest = Record(Key(most, most), "", least, least, least, most, least, most, least)
+    line = tactmem._json_line(tactmem._to_json(widest)).encode()
+    assert len(line) <= tactmem._EXPORT_RECORD_BYTES
+    assert len(tactmem._json_line("\x1f" * 10).encode()) == 6 * 10 + 3  # `"` ... `"` and `\n`
+    huge = Limits(**dict.fromkeys(tactmem._LIMIT_FIELDS, most))
+    manifest = tactmem._export_file((), most, huge, 0, tactmem.__version__).data
+    assert len(manifest) <= tactmem._EXPORT_MANIFEST_BYTES
+    limits = Limits(content_bytes=40, records=3, total_content_bytes=100)
+    rows = [Record(Key(i, most), "\x01" * 32 + f"{i}", least, least, least, most, least, most,
+                   least) for i in range(1, 4)]  # fmt: skip
+    full = tactmem._export_file(rows, most, limits, least, tactmem.__version__).data
+    assert len(full) <= tactmem._export_bytes(limits)
+    assert tactmem._parse_export(full, limits).records[2][1] == rows[2]
+
+
+MANIFEST: dict[str, Any] = {
+    "format": "tactmem-export", "format_version": 1, "tactmem_version": "0.1.0",
+    "limits": attrs.asdict(Limits()), "records": 0, "content_bytes": 0, "next_id": 1,
+    "sha256": sha256(b""),
+}  # fmt: skip
+
+
+def tampered(data: bytes, change: str) -> bytes:
+    """`data` (an export of three or more records) changed one way; the hash is recomputed
+    only where the change is one a forger would make fit."""
+    manifest, *records = export_lines(data)
+    lines = data.split(b"\n")
+    match change:
+        case "one byte":
+            at = data.index(b"Releases") + 1
+            return data[:at] + b"E" + data[at + 1 :]
+        case "a line removed":
+            return b"\n".join(lines[:2] + lines[3:])
+        case "a line duplicated":
+            return b"\n".join(lines[:3] + lines[2:])
+        case "a secret, rehashed":
+            records[1]["content"] = "the deploy key is AKIAIOSFODNN7EXAMPLE"
+        case "a record over the bound, rehashed":
+            records[2]["content"] = "y" * 1025
+        case "one record too many, rehashed":
+            records += [records[-1] | {"key": {"id": 90 + i, "version": 1},
+                                       "content": f"filler {i}"} for i in range(510)]  # fmt: skip
+            manifest["next_id"] = 600
+        case "a newer format":
+            manifest["format_version"] = 2
+            manifest["new_field"] = True
+    return export_bytes(manifest, records)
+
+
+HASH_MISMATCH = ("invalid_export", "export line 1: the record lines do not match its sha256")
+TAMPERING = {
+    "one byte": HASH_MISMATCH,
+    "a line removed": HASH_MISMATCH,
+    "a line duplicated": HASH_MISMATCH,
+    "a secret, rehashed": (
+        "secret_rejected", "export line 3: memory content was rejected as a likely secret"),
+    "a record over the bound, rehashed": (
+        "content_too_large", "export line 4: memory content exceeds the 1024-byte limit"),
+    "one record too many, rehashed": (
+        "record_capacity", "export line 514: memory record capacity of 512 was reached"),
+    "a newer format": ("invalid_export", "export line 1: format version 2 is newer than this"
+                       " build reads (1); use a newer tactmem"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("change", TAMPERING)
+@pytest.mark.parametrize("operation", ["merge", "restore", "dry run"])
+def test_a_tampered_export_is_refused_with_nothing_written(
+    tmp_path: Path, change: str, operation: str
+) -> None:
+    backup = used_store(tmp_path / "source.sqlite3").export(now_ms=EXPORT_NOW).data
+    bad = tampered(backup, change)
+    db = tmp_path / "target.sqlite3"
+    store = Store(db)
+    store.list()  # an empty store, so that a restore gets as far as a merge
+    store.close()
+    before = db.read_bytes()
+    call: Callable[[], object] = {
+        "merge": lambda: store.merge(bad, now_ms=EXPORT_NOW),
+        "restore": lambda: store.restore(bad),
+        "dry run": lambda: store.merge(bad, dry_run=True, now_ms=EXPORT_NOW),
+    }[operation]
+    with pytest.raises(TactmemError) as caught:
+        call()
+    assert (caught.value.code, str(caught.value)) == TAMPERING[change]
+    assert db.read_bytes() == before
+    assert not Path(f"{db}-journal").exists()
+
+
+def bad_line(record: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    return {**record, **changes}
+
+
+RECORD: dict[str, Any] = {
+    "key": {"id": 1, "version": 1}, "content": "a fact", "created_at_ms": 0, "updated_at_ms": 0,
+    "last_scanned_at_ms": None, "scan_count": 0, "last_used_at_ms": None, "use_count": 0,
+    "probation_until_ms": None,
+}  # fmt: skip
+MOST = 2**63 - 1
+
+
+def holding(*records: object, next_id: int = 2) -> bytes:
+    """An export of `records` (objects, or lines as text) with a fitting hash and counts."""
+    return export_bytes(MANIFEST | {"next_id": next_id}, records)
+
+
+def manifest_only(**fields: object) -> bytes:
+    return json.dumps({**MANIFEST, **fields}).encode() + b"\n"
+
+
+NOT_HELD = {k: v for k, v in RECORD.items() if k != "use_count"}
+KEY_RULE = f"record field 'key' must be id and version, each from 1 to {MOST}"
+LINE_ONE_HASH = sha256(json.dumps(RECORD).encode() + b"\n")
+HOSTILE_EXPORTS: dict[str, tuple[bytes, str]] = {
+    "empty": (b"", "1: is cut short (no newline at its end)"),
+    "no newline at the end": (holding(RECORD).rstrip(b"\n"),
+                              "2: is cut short (no newline at its end)"),
+    "not UTF-8": (holding() + b'{"content": "\xff"}\n', "2: is not UTF-8 text"),
+    "not a manifest": (b'{"format": "other"}\n', "1: is not a tactmem-export manifest"),
+    "a manifest that is a list": (b"[1]\n", "1: is not a JSON object"),
+    "a manifest field unknown": (
+        manifest_only(AKIAIOSFODNN7EXAMPLE=1),
+        "1: manifest has an unknown field (it takes only format, format_version,"
+        " tactmem_version, limits, records, content_bytes, next_id, sha256)"),
+    "a manifest limit missing": (
+        manifest_only(limits={"records": 5}),
+        "1: manifest field 'limits' must be the seven limits, each a positive integer"),
+    "a repeated field": (holding('{"content": "a", "content": "b"}'), "2: repeats a field"),
+    "a line that is not an object": (holding('"a fact"'), "2: is not a JSON object"),
+    "a line that is not JSON": (holding("{'key': 1}"), "2: is not valid JSON"),
+    "NaN": (holding(json.dumps(RECORD | {"scan_count": math.nan})),
+            "2: holds NaN or Infinity, which JSON lacks"),
+    "a huge int": (holding(json.dumps(RECORD | {"use_count": 10**4000})),
+                   "2: holds a number beyond 64 bits"),
+    "an int beyond 64 bits": (holding(RECORD | {"created_at_ms": 2**63}),
+                              "2: record field 'created_at_ms' must be a 64-bit integer"),
+    "a string id": (holding(RECORD | {"key": {"id": "1", "version": 1}}), f"2: {KEY_RULE}"),
+    "a version 0": (holding(RECORD | {"key": {"id": 1, "version": 0}}), f"2: {KEY_RULE}"),
+    "a bool count": (holding(RECORD | {"scan_count": True}),
+                     f"2: record field 'scan_count' must be an integer from 0 to {MOST}"),
+    "a float time": (holding(RECORD | {"last_used_at_ms": 1.0}),
+                     "2: record field 'last_used_at_ms' must be a 64-bit integer or null"),
+    "a lone surrogate": (holding(json.dumps(RECORD | {"content": "\ud800"})),
+                         "2: record field 'content' must be a string of text"),
+    "a field missing": (holding(NOT_HELD), "2: record is missing the field 'use_count'"),
+    "ids out of order": (holding(RECORD | {"key": {"id": 2, "version": 1}}, RECORD, next_id=3),
+                         "3: its id is not above the one before"),
+    "an id at next_id": (holding(RECORD, next_id=1), "2: its id is not below next_id"),
+    "a count that does not fit": (
+        export_bytes(MANIFEST | {"next_id": 2, "sha256": LINE_ONE_HASH}, [RECORD], rehash=False),
+        "1: says 0 records; the file has 1"),
+    "nested too deeply": (holding("[" * 100_000), "2: is nested too deeply"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", HOSTILE_EXPORTS)
+def test_a_hostile_export_is_refused_naming_the_line_and_reason(tmp_path: Path, name: str) -> None:
+    data, message = HOSTILE_EXPORTS[name]
+    db = tmp_path / "m.sqlite3"
+    store = Store(db)
+    store.put("already here", now_ms=1)
+    before = db.read_bytes()
+    for call in (lambda: store.merge(data, now_ms=2), lambda: store.restore(data)):
+        with pytest.raises(tactmem.InvalidExport) as caught:
+            call()
+        assert (caught.value.code, str(caught.value)) == (
+            "invalid_export",
+            f"export line {message}",
+        )
+        assert "AKIA" not in str(caught.value)
+    assert db.read_bytes() == before
+
+
+def test_an_export_larger_than_the_limits_allow_is_refused_unread(tmp_path: Path) -> None:
+    most = tactmem._export_bytes(TINY)
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b"x" * (most + 10_000))
+    assert len(tactmem._read_export(str(big), TINY)) == most + 1  # a bounded read
+    with pytest.raises(
+        tactmem.InvalidExport,
+        match=re.escape(f"larger than this store's limits allow ({most} bytes)"),
+    ):
+        Store(tmp_path / "m.sqlite3", limits=TINY).merge(big.read_bytes())
+    assert not (tmp_path / "m.sqlite3").exists()  # refused before the store is opened
+    with pytest.raises(tactmem.InvalidExport, match=r"^export file: not a regular file$"):
+        tactmem._read_export(str(tmp_path), TINY)
+
+
+def test_a_database_the_v1_original_wrote_exports_intact(db: Path, tmp_path: Path) -> None:
+    write_v1_original(
+        db,
+        (3, 4, "Rust wrote this", 10, 20, 30, 2, 40, 5, None),
+        (7, 1, "and this, unread", 50, 50, None, 0, None, 0, 9_000),
+    )
+    backup = Store(db).export(now_ms=100)
+    records = export_lines(backup.data)[1:]
+    assert records == [
+        {"key": {"id": 3, "version": 4}, "content": "Rust wrote this", "created_at_ms": 10,
+         "updated_at_ms": 20, "last_scanned_at_ms": 30, "scan_count": 2, "last_used_at_ms": 40,
+         "use_count": 5, "probation_until_ms": None},
+        {"key": {"id": 7, "version": 1}, "content": "and this, unread", "created_at_ms": 50,
+         "updated_at_ms": 50, "last_scanned_at_ms": None, "scan_count": 0,
+         "last_used_at_ms": None, "use_count": 0, "probation_until_ms": 9_000},
+    ]  # fmt: skip
+    assert backup.next_id == 8
+    restored = tmp_path / "restored.sqlite3"
+    assert Store(restored).restore(backup.data) == 2
+    assert rows_of(restored) == rows_of(db)
+
+
+def test_cli_export_import_restore_in_subprocesses(tmp_path: Path) -> None:
+    source, file = tmp_path / "source.sqlite3", tmp_path / "backup.jsonl"
+    with used_store(source, wall_clock_ms()) as store:
+        size = sum(len(record.content.encode()) for record in store.list())
+    with raw(source) as connection:  # a hidden row, as an older writer could have left
+        connection.execute(
+            "INSERT INTO memories (id, content, normalized_identity, created_at_ms,"
+            " updated_at_ms) VALUES (5, 'password=w', 'password=w', 0, 0)"
+        )
+    done = run_tactmem("--db", str(source), "export", str(file))
+    assert (done.returncode, done.stdout) == (
+        0,
+        f"exported 3 records ({size} content bytes)\n".encode(),
+    )
+    assert done.stderr == (b"tactmem: warning: left out 1 hidden records (secret-shaped or"
+                           b" malformed) and 0 whose probation has ended\n")  # fmt: skip
+    assert stat.S_IMODE(file.stat().st_mode) == 0o600
+    to_stdout = run_tactmem("--db", str(source), "export")
+    assert to_stdout.stdout == file.read_bytes() and to_stdout.returncode == 0
+    summary = run_tactmem("--json", "--db", str(source), "export", str(tmp_path / "again.jsonl"))
+    assert json.loads(summary.stdout) == {
+        "records": 3,
+        "content_bytes": size,
+        "next_id": 6,
+        "hidden": 1,
+        "expired": 0,
+    }
+    restored = tmp_path / "restored.sqlite3"
+    done = run_tactmem("--db", str(restored), "restore", "-", stdin=file.read_bytes())
+    assert (done.returncode, done.stdout, done.stderr) == (0, b"restored 3 records\n", b"")
+    assert run_tactmem("--db", str(restored), "export").stdout == file.read_bytes()
+    again = run_tactmem("--json", "--db", str(restored), "restore", str(file))
+    assert again.returncode == 1 and json.loads(again.stdout)["error"]["code"] == "store_not_empty"
+    merged = tmp_path / "merged.sqlite3"
+    dry = run_tactmem("--db", str(merged), "import", "--dry-run", str(file))
+    assert (dry.returncode, dry.stdout) == (
+        0,
+        b"would import 3 records, skipped 0 already held; nothing was written\n",
+    )
+    assert not merged.exists()
+    done = run_tactmem("--json", "--db", str(merged), "import", str(file))
+    assert json.loads(done.stdout) == {"inserted": 3, "skipped": 0, "dry_run": False}
+    done = run_tactmem("--db", str(merged), "import", "-", stdin=file.read_bytes())
+    assert done.stdout == b"imported 0 records, skipped 3 already held\n"
+
+
+def test_cli_refusals_are_one_line_without_content(tmp_path: Path) -> None:
+    db, file = tmp_path / "m.sqlite3", tmp_path / "backup.jsonl"
+    used_store(tmp_path / "source.sqlite3", wall_clock_ms()).close()
+    backup = run_tactmem("--db", str(tmp_path / "source.sqlite3"), "export").stdout
+    file.write_bytes(tampered(backup, "a secret, rehashed"))
+    Store(db).list()
+    before = db.read_bytes()
+    for command in ("import", "restore"):
+        done = run_tactmem("--db", str(db), command, str(file))
+        message = "export line 3: memory content was rejected as a likely secret"
+        assert (done.returncode, done.stdout) == (1, b"")
+        assert done.stderr == f"tactmem: {message}\n".encode()
+        as_json = run_tactmem("--json", "--db", str(db), command, str(file))
+        assert (as_json.returncode, as_json.stderr) == (1, b"")
+        assert json.loads(as_json.stdout) == {
+            "error": {"code": "secret_rejected", "message": message}
+        }
+    done = run_tactmem("--db", str(db), "import", str(tmp_path / "missing.jsonl"))
+    assert (done.returncode, done.stderr) == (
+        1,
+        b"tactmem: export file: cannot be read (No such file or directory)\n",
+    )
+    done = run_tactmem("--db", str(db), "import")
+    assert done.returncode == 2 and done.stderr.startswith(b"tactmem: usage:")
+    done = run_tactmem("--db", str(db), "export", str(db.parent / "." / db.name))
+    assert (done.returncode, done.stderr) == (
+        1,
+        b"tactmem: the export file named is the database itself\n",
+    )
+    assert db.read_bytes() == before
+
+
+IMPORT_WATCHER = r"""
+import json, os, sys, time
+from tactmem import Store
+
+path, mode = sys.argv[1], sys.argv[2]
+store = Store(path)
+open(f"{path}.ready-{mode}-{os.getpid()}", "w").close()
+seen, log = set(), []
+while not os.path.exists(f"{path}.done"):
+    if mode == "reader":
+        seen.add(sum(r.content.startswith("imported fact") for r in store.list()))
+    elif len(log) < 100:  # with the 200 imported, well within 512 records
+        content = f"writer {os.getpid()} fact {len(log)}"
+        log.append([store.put(content).key.id, content])
+        time.sleep(0.01)
+print(json.dumps(sorted(seen) if mode == "reader" else log))
+"""
+
+
+def test_an_import_is_atomic_with_respect_to_concurrent_writers(tmp_path: Path) -> None:
+    source, file, db = (
+        tmp_path / "source.sqlite3",
+        tmp_path / "backup.jsonl",
+        tmp_path / "m.sqlite3",
+    )
+    with Store(source) as store:
+        for i in range(200):
+            store.put(f"imported fact number {i}", now_ms=1)
+    file.write_bytes(Store(source).export(now_ms=1).data)
+    Store(db).list()
+    modes = ["writer", "writer", "reader"]
+    watchers = [
+        subprocess.Popen([sys.executable, "-c", IMPORT_WATCHER, str(db), mode],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE)
+        for mode in modes
+    ]  # fmt: skip
+    while len(list(tmp_path.glob("m.sqlite3.ready-*"))) < len(modes):
+        time.sleep(0.01)
+    time.sleep(0.2)  # the writers are writing
+    done = run_tactmem("--db", str(db), "import", str(file))
+    time.sleep(0.2)
+    Path(f"{db}.done").touch()
+    outputs = []
+    for watcher in watchers:
+        out, err = watcher.communicate(timeout=120)
+        assert (watcher.returncode, err) == (0, "")
+        outputs.append(json.loads(out))
+    assert (done.returncode, done.stdout) == (0, b"imported 200 records, skipped 0 already held\n")
+    assert set(outputs[2]) <= {0, 200} and len(outputs[2]) == 2  # never a part of the batch
+    records = Store(db).list()
+    imported = [r.key.id for r in records if r.content.startswith("imported fact")]
+    assert imported == list(range(imported[0], imported[0] + 200))  # no write inside the batch
+    written = {doc_id: content for log in outputs[:2] for doc_id, content in log}
+    assert min(written) < imported[0] and max(written) > imported[-1]  # before and after it
+    assert {r.key.id: r.content for r in records if r.key.id in written} == written
 
 
 # ============================================================================ packaging
@@ -5471,7 +6059,7 @@ def test_every_python_block_in_the_readme_runs(
     from agents.models import _openai_shared
 
     blocks = readme_python_blocks()
-    assert len(blocks) == 7  # the loader found them: API, setup, four hosts, review checkpoint
+    assert len(blocks) == 8  # the loader found them: API, export, setup, 4 hosts, checkpoint
     scan = strict_arguments(operation="scan", query="ledgerline releases")
     stub = stubs({
         "/v1/chat/completions": [chat_answer(("c1", scan)), chat_answer(text="chat done")],
