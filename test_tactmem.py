@@ -2124,6 +2124,25 @@ def test_import_merges_new_records_with_fresh_keys_and_skips_equivalents(tmp_pat
     assert target.merge(backup, now_ms=EXPORT_NOW) == tactmem.Merged(0, 3)  # idempotent
 
 
+def test_puts_after_a_merge_or_restore_count_what_it_added(tmp_path: Path) -> None:
+    """The store's own totals (issue 16) take in the batch: the next put meets every bound."""
+    backup = used_store(tmp_path / "source.sqlite3").export(now_ms=EXPORT_NOW).data
+    limits = attrs.evolve(Limits(), records=4)
+    for name, add in (("merged", "merge"), ("restored", "restore")):
+        with Store(tmp_path / f"{name}.sqlite3", limits=limits) as store:
+            store.put("a record from before the batch", now_ms=EXPORT_NOW)
+            if add == "restore":
+                store.delete(Key(1, 1))
+                store.close()
+                os.unlink(tmp_path / f"{name}.sqlite3")
+            getattr(store, add)(backup, now_ms=EXPORT_NOW)
+            assert len(store.list(now_ms=EXPORT_NOW)) == 4 - (add == "restore")
+            if add == "restore":
+                store.put("one more fits", now_ms=EXPORT_NOW)
+            with pytest.raises(RecordCapacity):
+                store.put("one too many", now_ms=EXPORT_NOW)
+
+
 def test_a_dry_run_reports_what_the_import_does_and_writes_nothing(tmp_path: Path) -> None:
     backup = used_store(tmp_path / "source.sqlite3").export(now_ms=EXPORT_NOW).data
     db, limits = tmp_path / "target.sqlite3", attrs.evolve(TINY, content_bytes=60, records=3)
