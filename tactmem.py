@@ -5362,7 +5362,73 @@ _COMMANDS: Final[dict[str, tuple[str, _Run | None]]] = {
 }
 
 
-def _build_parser() -> _Parser:
+_Argument = tuple[tuple[str, ...], dict[str, Any]]
+_MIN_COVERAGE: Final[_Argument] = (
+    ("--min-coverage",),
+    {"metavar": "X", "type": _coverage, "default": 0.0,
+     "help": "leave out candidates whose coverage is below X (0 to 1; default 0)"},
+)  # fmt: skip
+_CHILD: Final[_Argument] = (
+    ("--child",),
+    {"action": "store_true", "help": "a child agent: scan and read only"},
+)
+_IMPORTED: Final[_Argument] = (
+    ("file",),
+    {"metavar": "FILE", "help": "an export file, or - for stdin"},
+)
+# Each command's arguments, as `add_argument` takes them.
+_ARGUMENTS: Final[dict[str, tuple[_Argument, ...]]] = {
+    "scan": (
+        (("query",), {}),
+        (("--limit",), {"type": _number, "metavar": "N",
+                        "choices": range(1, _DEFAULT_LIMITS.scan_results + 1)}),
+        _MIN_COVERAGE,
+    ),
+    "read": ((("ids",), {"metavar": "ID", "type": _id_number, "nargs": "+"}),),
+    "put": (
+        (("content",), {"help": "the conclusion, or - to read it from stdin"}),
+        (("--replace",), {"metavar": "ID@VERSION", "type": _parse_key_argument}),
+    ),
+    "delete": ((("key",), {"metavar": "ID@VERSION", "type": _parse_key_argument}),),
+    "list": ((("--sort",), {"choices": _SORT_MODES, "default": "useful"}),),
+    "export": (
+        (("file",), {"metavar": "FILE", "nargs": "?", "default": "-",
+                     "help": "the file to write (default -: standard output)"}),
+    ),
+    "import": (
+        _IMPORTED, (("--dry-run",), {"action": "store_true", "help": "check, write nothing"})
+    ),
+    "restore": (_IMPORTED,),
+    "tool": (_CHILD, _MIN_COVERAGE),
+    "mcp": (_CHILD, _MIN_COVERAGE),
+    "eval": (
+        (("files",), {"metavar": "FILE", "nargs": "*", "help": "scenario files (JSON lines)"}),
+        (("--sweep",), {"action": "store_true", "help": "print the coverage trade-off"}),
+        (("--thresholds",), {"metavar": "FILE", "help": "thresholds file (TOML)"}),
+        (("--paired",), {"metavar": "RESULTS", "help": "judge paired agent runs"}),
+        (_MIN_COVERAGE[0], {**_MIN_COVERAGE[1], "default": None,
+                            "help": "leave out candidates whose coverage is below X (0 to 1;"
+                                    " default the thresholds file's, else 0)"}),
+    ),
+}  # fmt: skip
+_VALUED: Final = ("--db", "--config")  # the options before the command that take a value
+
+
+def _named_command(argv: Sequence[str]) -> str | None:
+    """The command `argv` names, when only `--db`, `--config` and `--json`, spelled out, come
+    before it (anything else, an abbreviation say, and argparse must see every command)."""
+    words = iter(argv)
+    for word in words:
+        if word in _VALUED:
+            next(words, None)
+        elif word != "--json" and not word.startswith(tuple(f"{name}=" for name in _VALUED)):
+            return word if word in _COMMANDS else None
+    return None
+
+
+def _build_parser(argv: Sequence[str] = ()) -> _Parser:
+    """The parser, with the subcommand `argv` names alone when it names one: building all
+    fourteen takes a one-shot command several milliseconds."""
     common = _Parser(add_help=False)
     common.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help="database file")
     common.add_argument(
@@ -5378,42 +5444,12 @@ def _build_parser() -> _Parser:
     )
     parser.add_argument("--version", action="version", version=f"tactmem {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    sub = {
-        name: commands.add_parser(name, help=summary, description=summary, parents=[common])
-        for name, (summary, _) in _COMMANDS.items()
-    }
-    scan_limits = range(1, _DEFAULT_LIMITS.scan_results + 1)
-    sub["scan"].add_argument("query")
-    sub["scan"].add_argument("--limit", type=_number, choices=scan_limits, metavar="N")
-    sub["read"].add_argument("ids", metavar="ID", type=_id_number, nargs="+")
-    sub["put"].add_argument("content", help="the conclusion, or - to read it from stdin")
-    sub["put"].add_argument("--replace", metavar="ID@VERSION", type=_parse_key_argument)
-    sub["delete"].add_argument("key", metavar="ID@VERSION", type=_parse_key_argument)
-    sub["list"].add_argument("--sort", choices=_SORT_MODES, default="useful")
-    sub["export"].add_argument(
-        "file",
-        metavar="FILE",
-        nargs="?",
-        default="-",
-        help="the file to write (default -: standard output)",
-    )
-    for name in ("import", "restore"):
-        sub[name].add_argument("file", metavar="FILE", help="an export file, or - for stdin")
-    sub["import"].add_argument("--dry-run", action="store_true", help="check, write nothing")
-    for name in ("tool", "mcp"):
-        sub[name].add_argument(
-            "--child", action="store_true", help="a child agent: scan and read only"
-        )
-    for name in ("scan", "tool", "mcp", "eval"):
-        default = "the thresholds file's, else 0" if name == "eval" else "0"
-        sub[name].add_argument(
-            "--min-coverage", metavar="X", type=_coverage, default=None if name == "eval" else 0.0,
-            help=f"leave out candidates whose coverage is below X (0 to 1; default {default})",
-        )  # fmt: skip
-    sub["eval"].add_argument("files", metavar="FILE", nargs="*", help="scenario files (JSON lines)")
-    sub["eval"].add_argument("--sweep", action="store_true", help="print the coverage trade-off")
-    sub["eval"].add_argument("--thresholds", metavar="FILE", help="thresholds file (TOML)")
-    sub["eval"].add_argument("--paired", metavar="RESULTS", help="judge paired agent runs")
+    named = _named_command(argv)
+    for name, (summary, _) in _COMMANDS.items():
+        if named in (None, name):
+            sub = commands.add_parser(name, help=summary, description=summary, parents=[common])
+            for flags, options in _ARGUMENTS.get(name, ()):
+                sub.add_argument(*flags, **options)
     return parser
 
 
@@ -5507,7 +5543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     arguments = None
     try:
-        arguments = _build_parser().parse_args(argv)
+        words = sys.argv[1:] if argv is None else argv
+        arguments = _build_parser(words).parse_args(words)
         status = _run(arguments)
         sys.stdout.flush()  # inside the try, so a closed pipe is handled here
         return status

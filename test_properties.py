@@ -22,6 +22,7 @@ Profiles: `ci` (derandomized, no deadline) is loaded when the CI environment var
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import itertools
@@ -1690,6 +1691,30 @@ COMMANDS = st.one_of(
                      ["export"], ["export", "out.jsonl"], ["import", "-"], ["restore", "-"],
                      ["import", "--dry-run", "out.jsonl"], ["restore", "out.jsonl"]]),
 )  # fmt: skip
+
+
+def parsed(parser: argparse.ArgumentParser, argv: list[str]) -> object:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            return vars(parser.parse_args(argv))
+    except (SystemExit, tactmem._UsageError) as stop:
+        return type(stop).__name__, str(stop), out.getvalue()
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    argv=st.lists(ARGV_WORDS | st.sampled_from(["--d", "--db=x", "--js", "eval"]), max_size=6)
+    | COMMANDS.map(lambda command: ["--db", "db", *command])
+)
+@example(["--db", "scan", "list"])
+@example(["--json", "--config", "put", "--db=x", "scan", "--limit", "2", "q"])
+@example(["--d", "scan", "list"])
+def test_the_parser_of_the_named_command_alone_parses_as_the_whole_one(argv: list[str]) -> None:
+    """A one-shot command builds only its own subparser (issue 16): every argument list
+    parses, or fails, exactly as with all of them."""
+    assert parsed(tactmem._build_parser(argv), argv) == parsed(tactmem._build_parser(), argv)
+    event("one subparser" if tactmem._named_command(argv) else "all subparsers")
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
