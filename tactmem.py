@@ -26,6 +26,7 @@ Command line (``tactmem COMMAND --help`` for each)::
 from __future__ import annotations
 
 import argparse
+import binascii
 import contextlib
 import functools
 import heapq
@@ -1267,7 +1268,6 @@ def _registry_auth(value: str) -> bool:
     """A Docker config in base64 (a whole number of its 4-character groups is decoded) whose
     registries hold an `auth`, a `password` or an identity token that is not a placeholder;
     `{"auths": {}}` and `{"credsStore": "desktop"}` hold none."""
-    import binascii  # only a registry Secret needs it
 
     config = binascii.a2b_base64(value[: len(value) // 4 * 4]).decode("utf-8", "replace")
     return any(_real_value(found.group(1)) for found in _shape(_REGISTRY_AUTH, 0).finditer(config))
@@ -3841,11 +3841,11 @@ _FILES: Final = {
 
 # ------------------------------------------------------------------------ the side cache
 # `<database>-cache` keeps `_Derived` by `_digest` for the next process, so that its first scan
-# need not tokenize and check every row again (README, "Performance"). JSON lines: a header
-# naming this exact build of tactmem (its source's digest), then `[digest, hidden, counts]`
-# lines, appended under the database's write lock and rewritten with only live texts when dead
-# ones pile up. Disposable: a file that is missing, too large, of another build or unreadable
-# is ignored, and so is any line that is not exactly that shape.
+# need not tokenize and check every row again (README, "Decisions"). A header naming this
+# exact build of tactmem (its source's digest), then `[digest, hidden, counts]` JSON lines,
+# each after the CRC-32 of its JSON; appended under the database's write lock and rewritten
+# with only live texts when dead ones pile up. Disposable: a file that is missing, too large,
+# of another build or unreadable is ignored, and so is any line whose CRC or shape is wrong.
 
 
 def _cache_bytes(limits: Limits) -> int:
@@ -3866,18 +3866,24 @@ def _cache_header() -> bytes | None:
     return json.dumps(["tactmem-cache", 1, build]).encode() + b"\n"
 
 
+def _cache_line(body: bytes) -> bytes:
+    """A line of the side cache: the CRC-32 of its JSON, which a torn or scribbled line fails."""
+    return b"%08x %s\n" % (binascii.crc32(body), body)
+
+
 def _cache_entries(lines: list[bytes]) -> dict[str, _Derived]:
-    """The entries of these lines: parsed all at once (several times faster), or one by one
-    when one is not JSON (a torn last line, say)."""
+    """The entries of the lines whose CRC holds: parsed all at once (several times faster),
+    or one by one when one is not JSON."""
     import json
 
+    bodies = [line[9:] for line in lines if _cache_line(line[9:]) == line + b"\n"]
     try:
-        entries = json.loads(b"[" + b",".join(filter(None, lines)) + b"]")
+        entries = json.loads(b"[" + b",".join(bodies) + b"]")
     except ValueError:
         entries = []
-        for line in lines:
+        for body in bodies:
             with contextlib.suppress(ValueError):
-                entries.append(json.loads(line))
+                entries.append(json.loads(body))
     return dict(filter(None, map(_cache_entry, entries)))
 
 
@@ -3920,7 +3926,7 @@ def _write_cache(path: str, entries: Mapping[str, _Derived], *, rewrite: bool) -
     if header is None:
         return
     lines = b"".join(
-        json.dumps([digest, hidden, counts], ensure_ascii=False).encode() + b"\n"
+        _cache_line(json.dumps([digest, hidden, counts], ensure_ascii=False).encode())
         for digest, (hidden, counts) in entries.items()
     )
     target = path + ".tmp" if rewrite else path

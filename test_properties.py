@@ -1199,6 +1199,15 @@ class StoreMatchesModel(RuleBasedStateMachine):
         if deadlines:
             self.model.now = max(self.model.now, min(deadlines) + offset_ms)
 
+    @rule(cut=st.integers(min_value=0, max_value=4000), junk=st.binary(max_size=40))
+    def damage_the_side_cache(self, cut: int, junk: bytes) -> None:
+        """A torn or scribbled side cache (issue 16) changes no answer: it is a cache."""
+        cache = Path(self.path + "-cache")
+        if cache.is_file():
+            data = cache.read_bytes()
+            cache.write_bytes(data[:cut] + junk + data[cut + len(junk) :])
+            event("side cache damaged")
+
     @rule(agent=agents, as_context_manager=st.booleans())
     def close_and_reopen(self, agent: int, as_context_manager: bool) -> None:
         """A new Store on the same path sees the same data."""

@@ -698,9 +698,10 @@ CACHE_TEXTS = ("deploys go through the release train", "the release train leaves
 
 
 def cache_lines(db: Path) -> list[Any]:
-    return [
-        json.loads(line) for line in (db.parent / (db.name + "-cache")).read_bytes().splitlines()
-    ]
+    """The side cache's header and entries, each line's CRC checked and taken off."""
+    header, *lines = (db.parent / (db.name + "-cache")).read_bytes().splitlines(keepends=True)
+    assert all(tactmem._cache_line(line[9:-1]) == line for line in lines)
+    return [json.loads(header), *(json.loads(line[9:]) for line in lines)]
 
 
 def cards(store: Store, query: str) -> list[tuple[Key, str, float, float]]:
@@ -733,13 +734,18 @@ def test_a_lying_side_cache_never_shows_a_secret(db: Path) -> None:
     header, *entries = cache_lines(db)
     assert [entry[1:] for entry in entries] == [[False, entries[0][2]], [True, {}]]  # no terms
     forged = [[digest, False, {"release": 9}] for digest, *_ in entries]
-    (db.parent / (db.name + "-cache")).write_text(
-        "".join(json.dumps(line) + "\n" for line in [header, *forged])
+    (db.parent / (db.name + "-cache")).write_bytes(
+        (json.dumps(header) + "\n").encode()
+        + b"".join(tactmem._cache_line(json.dumps(line).encode()) for line in forged)
     )
     with Store(db) as fresh:
         assert [c.key.id for c in fresh.scan("release", now_ms=1).candidates] == [1]
     assert [entry[1] for entry in cache_lines(db)[1:]].count(True) == 1
     assert secret == 2
+
+
+def crc_line(body: bytes) -> bytes:
+    return tactmem._cache_line(body.replace(b"DIGEST", tactmem._digest(CACHE_TEXTS[0]).encode()))
 
 
 @pytest.mark.parametrize(
@@ -749,16 +755,19 @@ def test_a_lying_side_cache_never_shows_a_secret(db: Path) -> None:
         b"",
         b"\xff\xfe\n",
         b'["tactmem-cache", 1, "another build"]\n',
-        b"HEADER" + b'["' + b"0" * 32 + b'", false, {"x": 1}]\n' + b'["abc", fal',  # torn
-        b"HEADER[1, 2]\n[null]\n{}\n",
-        b'HEADER["DIGEST", false, {"release": 0}]\n',
-        b'HEADER["DIGEST", false, {"release": -3}]\n',
-        b'HEADER["DIGEST", false, {"release": "2"}]\n',
-        b'HEADER["DIGEST", false, {"release": true}]\n',
-        b'HEADER["DIGEST", false, {"release": 1.5}]\n',
-        b'HEADER["DIGEST", 0, {"release": 1}]\n',
-        b'HEADER["DIGEST", false, ["release"]]\n',
-        b'HEADER["DIGEST", false, {"release": 99999999999999999999999}]\n',
+        b"HEADER" + crc_line(b'["' + b"0" * 32 + b'", false, {"x": 1}]') + b"0badc0de [1",  # torn
+        b"HEADER" + crc_line(b'["DIGEST", false, {"release": 1}]').replace(b"1}", b"7}"),
+        b"HEADER" + crc_line(b"[1, 2]") + crc_line(b"[null]") + crc_line(b"{}"),
+        b"HEADER" + crc_line(b'["DIGEST", false, {"release": 1'),  # its CRC, but not JSON
+        b"HEADER" + crc_line(b'["DIGEST", false, {"release": 0}]'),
+        b"HEADER" + crc_line(b'["DIGEST", false, {"release": -3}]'),
+        b"HEADER" + crc_line(b'["DIGEST", false, {"release": "2"}]'),
+        b"HEADER" + crc_line(b'["DIGEST", false, {"release": true}]'),
+        b"HEADER" + crc_line(b'["DIGEST", false, {"release": 1.5}]'),
+        b"HEADER" + crc_line(b'["DIGEST", 0, {"release": 1}]'),
+        b"HEADER" + crc_line(b'["DIGEST", false, ["release"]]'),
+        b"HEADER" + crc_line(b'["DIGEST", false, {"release": 99999999999999999999999}]'),
+        b"HEADER" + crc_line(b'["DIGEST"]'),
         b"HEADER" + b" " * (17 << 20),  # past the size bound
     ],
 )
@@ -767,10 +776,9 @@ def test_a_damaged_side_cache_is_ignored(db: Path, damage: bytes) -> None:
         for text in CACHE_TEXTS:
             store.put(text, now_ms=0)
         expected = cards(store, "release train")
-    header = (db.parent / (db.name + "-cache")).read_bytes().splitlines(keepends=True)[0]
-    digest = tactmem._digest(CACHE_TEXTS[0]).encode()
     cache = db.parent / (db.name + "-cache")
-    cache.write_bytes(damage.replace(b"HEADER", header).replace(b"DIGEST", digest))
+    header = cache.read_bytes().splitlines(keepends=True)[0]
+    cache.write_bytes(damage.replace(b"HEADER", header))
     with Store(db) as fresh:
         assert cards(fresh, "release train") == expected
     mended = cache.read_bytes()
