@@ -3876,7 +3876,7 @@ def _cache_entries(lines: list[bytes]) -> dict[str, _Derived]:
     or one by one when one is not JSON."""
     import json
 
-    bodies = [line[9:] for line in lines if _cache_line(line[9:]) == line + b"\n"]
+    bodies = [line[9:] for line in lines if line[:9] == b"%08x " % binascii.crc32(line[9:])]
     try:
         entries = json.loads(b"[" + b",".join(bodies) + b"]")
     except ValueError:
@@ -3888,6 +3888,7 @@ def _cache_entries(lines: list[bytes]) -> dict[str, _Derived]:
 
 
 def _cache_entry(entry: object) -> tuple[str, _Derived] | None:
+    """`[digest, hidden, {term: count}]`, every count a whole number a text could have."""
     if not isinstance(entry, list) or len(entry) != 3:
         return None
     digest, hidden, counts = entry
