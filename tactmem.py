@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 import unicodedata
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Final, Literal, NamedTuple, NoReturn, Protocol, get_args
 
@@ -77,7 +77,7 @@ _PREVIEW_BYTES: Final = 64
 _MAX_SQL_INT: Final = 2**63 - 1
 _BM25_K1: Final = 1.2
 _BM25_B: Final = 0.75
-_CACHED_TERMS: Final = 8192  # queried terms whose postings are kept (all dropped beyond)
+_CACHED_TERMS: Final = 8192  # queried terms whose weights are kept (all dropped beyond)
 _Sort = Literal["useful", "newest", "oldest", "least"]
 
 # Unicode White_Space, which Rust's `trim` and `split_whitespace` use. Python's `str.split()`
@@ -894,8 +894,8 @@ class _Corpus:
 
     `rows` remembers every row as it was last seen, hidden ones (see `_hidden`) included, so an
     unchanged row is never looked at twice; only visible documents take part in ranking.
-    Postings are kept only for terms some query asked about, so loading a corpus counts terms
-    and nothing more. Weights depend on every document's length, so they are computed per term
+    Postings are kept for every term, so a term's weights cost what its documents do, not what
+    the corpus does. Weights depend on every document's length, so they are computed per term
     on first use and dropped on any change.
 
     What a text yields, its counts and whether it is hidden, depends on the text alone: `known`
@@ -910,7 +910,7 @@ class _Corpus:
         self.counts: dict[int, dict[str, int]] = {}
         self.lengths: dict[int, int] = {}
         self.total_length = 0
-        self.postings: dict[str, dict[int, int]] = {}
+        self.postings: defaultdict[str, dict[int, int]] = defaultdict(dict)  # every term's
         self._ids: list[int] = []  # visible ids in order; empty until the first rank
         self._positions: dict[int, int] = {}
         self._norms: list[float] = []
@@ -946,8 +946,8 @@ class _Corpus:
                 self.counts[doc_id] = counts
                 self.lengths[doc_id] = sum(counts.values())
                 self.total_length += self.lengths[doc_id]
-                for term in counts.keys() & self.postings.keys():
-                    self.postings[term][doc_id] = counts[term]
+                for term, count in counts.items():
+                    self.postings[term][doc_id] = count
         return {
             digests[i]: derived[i]
             for i, row in enumerate(changed)
@@ -973,8 +973,11 @@ class _Corpus:
         counts = self.counts.pop(doc_id, None)
         if counts is not None:
             self.total_length -= self.lengths.pop(doc_id)
-            for term in counts.keys() & self.postings.keys():
-                del self.postings[term][doc_id]
+            for term in counts:
+                posting = self.postings[term]
+                del posting[doc_id]
+                if not posting:
+                    del self.postings[term]
 
     def rank(self, terms: Sequence[str], limit: int) -> list[tuple[int, float]]:
         """BM25 (k1 1.2, b 0.75, idf ln(1 + (N - df + .5)/(df + .5))), best first, ties by id.
@@ -1006,13 +1009,9 @@ class _Corpus:
         return self._weights.get(term) or self._term_weights(term)
 
     def _term_weights(self, term: str) -> tuple[list[int], list[float], float]:
-        if len(self.postings) >= _CACHED_TERMS:  # terms no document has add up
-            self.postings.clear()
+        if len(self._weights) >= _CACHED_TERMS:  # terms no document has add up
             self._weights.clear()
-        posting = self.postings.get(term)
-        if posting is None:
-            posting = {doc_id: c[term] for doc_id, c in self.counts.items() if term in c}
-            self.postings[term] = posting
+        posting = self.postings.get(term, {})
         n, df = len(self._ids), len(posting)
         idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
         k1_plus_1 = _BM25_K1 + 1
