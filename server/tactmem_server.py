@@ -1271,7 +1271,7 @@ class _Server:
         authentication, no content)."""
         limit: InFlightLimit = request.app.state.limit
         counts = {"in_flight": limit.active, "waiting": limit.waiting}
-        deadline = time.monotonic() + min(self.timeout_s, 5.0)
+        deadline = time.monotonic() + min(self.timeout_s, 1.0)
         try:
             await anyio.to_thread.run_sync(
                 self.store.engine.check, deadline, abandon_on_cancel=True
