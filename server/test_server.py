@@ -33,6 +33,8 @@ from urllib.parse import urlsplit
 import pytest
 import tactmem
 
+import tactmem_server
+
 ALICE = "alice-test-token-000000000001"
 BOB = "bob-test-token-00000000000002"
 READER = "reader-test-token-00000000004"
@@ -174,7 +176,9 @@ class Client:
         data = raw if raw is not None else None if body is None else json.dumps(body).encode()
         connection = http.client.HTTPConnection(self.host, self.port, timeout=120)
         try:
-            connection.request(method, path, body=data, headers={k: v for k, v in sent.items() if v})
+            connection.request(
+                method, path, body=data, headers={k: v for k, v in sent.items() if v}
+            )
             response = connection.getresponse()
             return response.status, response.read()
         finally:
@@ -337,31 +341,29 @@ def test_authentication_namespace_and_role_are_enforced(client: Client) -> None:
         assert_error(answer, 403, "forbidden")
 
 
-@pytest.mark.parametrize(
-    ("authorization", "namespace", "status", "code"),
-    [
-        (f"bearer {ALICE}", "alice", 200, None),  # the scheme is case-insensitive
-        (f"BEARER {ALICE_ROTATED}", "alice", 200, None),  # a second token of the namespace
-        (f"Basic {ALICE}", "alice", 401, "unauthorized"),
-        (f"Bearer  {ALICE}", "alice", 401, "unauthorized"),
-        (f"Bearer {ALICE}!", "alice", 401, "unauthorized"),
-        ("Bearer unknown-token-000000000000", "alice", 401, "unauthorized"),
-        ("Bearer", "alice", 401, "unauthorized"),
-        (f"Bearer {ALICE}", None, 403, "namespace_mismatch"),
-        (f"Bearer {ALICE}", "Alice", 403, "namespace_mismatch"),
-        ("Bearer unknown-token-000000000000", None, 401, "unauthorized"),  # 401 before 403
-    ],
-)
-def test_bearer_and_namespace_headers(
-    client: Client, authorization: str, namespace: str | None, status: int, code: str | None
-) -> None:
-    answer = client.call(
-        "/v1/session", method="GET", token="", namespace=namespace,
-        headers={"authorization": authorization},
-    )  # fmt: skip
-    assert answer[0] == status
-    if code is not None:
-        assert answer[1] == error(code)
+BEARER_CASES = [
+    (f"bearer {ALICE}", "alice", 200, None),  # the scheme is case-insensitive
+    (f"BEARER {ALICE_ROTATED}", "alice", 200, None),  # a second token of the namespace
+    (f"Basic {ALICE}", "alice", 401, "unauthorized"),
+    (f"Bearer  {ALICE}", "alice", 401, "unauthorized"),
+    (f"Bearer {ALICE}!", "alice", 401, "unauthorized"),
+    ("Bearer unknown-token-000000000000", "alice", 401, "unauthorized"),
+    ("Bearer", "alice", 401, "unauthorized"),
+    (f"Bearer {ALICE}", None, 403, "namespace_mismatch"),
+    (f"Bearer {ALICE}", "Alice", 403, "namespace_mismatch"),
+    ("Bearer unknown-token-000000000000", None, 401, "unauthorized"),  # 401 before 403
+]
+
+
+def test_bearer_and_namespace_headers(client: Client) -> None:
+    for authorization, namespace, status, code in BEARER_CASES:
+        answer = client.call(
+            "/v1/session", method="GET", token="", namespace=namespace,
+            headers={"authorization": authorization},
+        )  # fmt: skip
+        assert answer[0] == status, authorization
+        if code is not None:
+            assert answer[1] == error(code), authorization
 
 
 def test_scan_read_and_list_return_only_caller_visible_records(client: Client) -> None:
@@ -411,15 +413,23 @@ def test_foreign_keys_cannot_be_mutated(client: Client) -> None:
 def test_concurrent_puts_allocate_distinct_monotonic_ids(client: Client) -> None:
     assert client.put("initialize concurrent database")["key"]["id"] == 1
     with ThreadPoolExecutor(16) as pool:
-        ids = list(pool.map(lambda n: client.put(f"concurrent note number {n}")["key"]["id"], range(16)))
+        ids = list(
+            pool.map(lambda n: client.put(f"concurrent note number {n}")["key"]["id"], range(16))
+        )
     assert sorted(ids) == list(range(2, 18))
 
 
 def test_sync_replaces_the_callers_complete_snapshot(client: Client) -> None:
-    first = [snapshot_record(10, 1, "first snapshot note"), snapshot_record(20, 1, "second snapshot note")]
+    first = [
+        snapshot_record(10, 1, "first snapshot note"),
+        snapshot_record(20, 1, "second snapshot note"),
+    ]
     report = client.ok("/v1/memories/sync", {"memories": first})
     assert report == {"inserted": 2, "replaced": 0, "unchanged": 0, "deleted": 0}
-    second = [snapshot_record(20, 2, "second snapshot revised"), snapshot_record(30, 1, "third snapshot note")]
+    second = [
+        snapshot_record(20, 2, "second snapshot revised"),
+        snapshot_record(30, 1, "third snapshot note"),
+    ]
     report = client.ok("/v1/memories/sync", {"memories": second})
     assert report == {"inserted": 1, "replaced": 1, "unchanged": 0, "deleted": 1}
     exported = client.export(["alice"], limit=10)
@@ -431,30 +441,47 @@ def test_sync_replaces_the_callers_complete_snapshot(client: Client) -> None:
     assert client.put("after the snapshot")["key"]["id"] == 31
 
 
-@pytest.mark.parametrize(
-    ("memories", "status", "code"),
-    [
-        ([snapshot_record(10, 1, "first value"), snapshot_record(10, 2, "second value")], 400, "bad_request"),
-        ([{**snapshot_record(1, 1, "remote key"), "key": {"id": 1, "version": 1, "namespace": "alice"}}], 400, "bad_request"),
-        ([snapshot_record(0, 1, "id zero")], 400, "bad_request"),
-        ([snapshot_record(1, 1, "   ")], 400, "bad_request"),
-        ([snapshot_record(1, 1, "x" * 1025)], 400, "bad_request"),
-        ([{**snapshot_record(1, 1, "times"), "updated_at_ms": 9}], 400, "bad_request"),
-        ([snapshot_record(1, 1, "x" * 1024), snapshot_record(2, 1, "x" * 1024)], 409, "duplicate"),
-        ([snapshot_record(1, 1, "Same  words"), snapshot_record(2, 1, "same words")], 409, "duplicate"),
-        ([{**snapshot_record(1, 1, "version too large"), "key": {"id": 1, "version": 2**63}}], 409, "conflict"),
-        ([{**snapshot_record(1, 1, "count too large"), "use_count": 2**64 - 1}], 409, "conflict"),
-        ([{**snapshot_record(1, 1, "count beyond u64"), "use_count": 2**64}], 400, "bad_request"),
-        ([snapshot_record(1, 1, "password = hunter2hunter2")], 400, "bad_request"),
-        ([snapshot_record(1, 1, "nul \x00 inside")], 400, "bad_request"),
-        ([snapshot_record(n, 1, f"note {n}") for n in range(1, 514)], 400, "bad_request"),
-        ([snapshot_record(n, 1, f"{n:04}" + "y" * 1020) for n in range(1, 258)], 400, "bad_request"),
-    ],
-)
-def test_sync_refusals_change_nothing(client: Client, memories: list[Any], status: int, code: str) -> None:
+SYNC_REFUSALS = [
+    (
+        [snapshot_record(10, 1, "first value"), snapshot_record(10, 2, "second value")],
+        400,
+        "bad_request",
+    ),
+    (
+        [
+            {
+                **snapshot_record(1, 1, "remote key"),
+                "key": {"id": 1, "version": 1, "namespace": "alice"},
+            }
+        ],
+        400,
+        "bad_request",
+    ),
+    ([snapshot_record(0, 1, "id zero")], 400, "bad_request"),
+    ([snapshot_record(1, 1, "   ")], 400, "bad_request"),
+    ([snapshot_record(1, 1, "x" * 1025)], 400, "bad_request"),
+    ([{**snapshot_record(1, 1, "times"), "updated_at_ms": 9}], 400, "bad_request"),
+    ([snapshot_record(1, 1, "x" * 1024), snapshot_record(2, 1, "x" * 1024)], 409, "duplicate"),
+    ([snapshot_record(1, 1, "Same  words"), snapshot_record(2, 1, "same words")], 409, "duplicate"),
+    (
+        [{**snapshot_record(1, 1, "version too large"), "key": {"id": 1, "version": 2**63}}],
+        409,
+        "conflict",
+    ),
+    ([{**snapshot_record(1, 1, "count too large"), "use_count": 2**64 - 1}], 409, "conflict"),
+    ([{**snapshot_record(1, 1, "count beyond u64"), "use_count": 2**64}], 400, "bad_request"),
+    ([snapshot_record(1, 1, "password = hunter2hunter2")], 400, "bad_request"),
+    ([snapshot_record(1, 1, "nul \x00 inside")], 400, "bad_request"),
+    ([snapshot_record(n, 1, f"note {n}") for n in range(1, 514)], 400, "bad_request"),
+    ([snapshot_record(n, 1, f"{n:04}" + "y" * 1020) for n in range(1, 258)], 400, "bad_request"),
+]
+
+
+def test_sync_refusals_change_nothing(client: Client) -> None:
     kept = client.put("kept through every refused sync")
-    assert_error(client.call("/v1/memories/sync", {"memories": memories}), status, code)
-    assert client.export(["alice"]) == [kept]
+    for memories, status, code in SYNC_REFUSALS:
+        assert_error(client.call("/v1/memories/sync", {"memories": memories}), status, code)
+        assert client.export(["alice"]) == [kept]
 
 
 def test_export_paginates_all_or_selected_without_deduplication(client: Client) -> None:
@@ -493,7 +520,11 @@ def test_body_and_request_bounds_are_content_free_client_errors(client: Client) 
     for limit in (0, 6):
         answer = client.call("/v1/memories/scan", {"query": "bounded", "limit": limit})
         assert_error(answer, 400, "bad_request")
-    for export in ({"namespaces": None, "limit": 0}, {"namespaces": None, "limit": 129}, {"namespaces": [], "limit": 1}):
+    for export in (
+        {"namespaces": None, "limit": 0},
+        {"namespaces": None, "limit": 129},
+        {"namespaces": [], "limit": 1},
+    ):
         assert_error(client.call("/v1/memories/export", export), 400, "bad_request")
     many = {"ids": list(range(1, 514)), "keys": []}
     assert_error(client.call("/v1/memories/read", many), 400, "bad_request")
@@ -506,50 +537,54 @@ def test_body_and_request_bounds_are_content_free_client_errors(client: Client) 
     assert client.ok("/v1/memories/read", {"ids": list(range(1, 513))})["memories"] != []
 
 
-@pytest.mark.parametrize(
-    ("path", "raw", "headers"),
-    [
-        ("/v1/memories/scan", b"not json", {}),
-        ("/v1/memories/scan", b'{"query": "q", "limit": 1}', {"content-type": ""}),
-        ("/v1/memories/scan", b'{"query": "q", "limit": 1}', {"content-type": "text/plain"}),
-        ("/v1/memories/scan", b'{"query": "q", "limit": 1, "scope": "all"}', {}),
-        ("/v1/memories/scan", b'{"query": "q"}', {}),
-        ("/v1/memories/scan", b'{"query": "q", "limit": 1.0}', {}),
-        ("/v1/memories/scan", b'{"query": "q", "limit": true}', {}),
-        ("/v1/memories/scan", b'{"query": "q", "limit": NaN}', {}),
-        ("/v1/memories/scan", b'{"query": "q", "query": "r", "limit": 1}', {}),
-        ("/v1/memories/scan", b'{"query": "\\ud800", "limit": 1}', {}),
-        ("/v1/memories/scan", b'{"query": "\xff", "limit": 1}', {}),
-        ("/v1/memories/scan", b'["q", 1] trailing', {}),
-        ("/v1/memories/read", b'{"ids": null}', {}),
-        ("/v1/memories/read", b'{"ids": [0]}', {}),
-        ("/v1/memories/read", b'{"ids": [9223372036854775808]}', {}),
-        ("/v1/memories/read", b'{"keys": [{"id": 1, "version": 0, "namespace": "bob"}]}', {}),
-        ("/v1/memories/read", b'{"keys": [{"id": 1, "version": 1, "namespace": "b b"}]}', {}),
-        ("/v1/memories/put", b'{"content": "   \\u3000 "}', {}),
-        ("/v1/memories/put", b'{"content": "aws key AKIAIOSFODNN7EXAMPLE here"}', {}),
-        ("/v1/memories/put", b'{"content": "nul \\u0000 inside"}', {}),
-        ("/v1/memories/export", b'{"limit": 1, "cursor": {"namespace": "alice", "id": 0}}', {}),
-        ("/v1/memories/export", b'{"limit": 1, "cursor": {"namespace": "alice", "id": 1, "x": 1}}', {}),
-        ("/v1/memories/export", b'{"limit": 1, "namespaces": ["ok", ""]}', {}),
-        ("/v1/memories/delete", b"{}", {}),
-        ("/v1/memories/sync", b'{"memories": [{"key": {"id": 1, "version": 1}}]}', {}),
-    ],
-)
-def test_malformed_requests_are_bad_requests(
-    client: Client, path: str, raw: bytes, headers: dict[str, str]
-) -> None:
-    assert_error(client.call(path, raw=raw, headers=headers), 400, "bad_request")
+MALFORMED = [
+    ("/v1/memories/scan", b"not json", {}),
+    ("/v1/memories/scan", b'{"query": "q", "limit": 1}', {"content-type": ""}),
+    ("/v1/memories/scan", b'{"query": "q", "limit": 1}', {"content-type": "text/plain"}),
+    ("/v1/memories/scan", b'{"query": "q", "limit": 1, "scope": "all"}', {}),
+    ("/v1/memories/scan", b'{"query": "q"}', {}),
+    ("/v1/memories/scan", b'{"query": "q", "limit": 1.0}', {}),
+    ("/v1/memories/scan", b'{"query": "q", "limit": true}', {}),
+    ("/v1/memories/scan", b'{"query": "q", "limit": NaN}', {}),
+    ("/v1/memories/scan", b'{"query": "q", "query": "r", "limit": 1}', {}),
+    ("/v1/memories/scan", b'{"query": "\\ud800", "limit": 1}', {}),
+    ("/v1/memories/scan", b'{"query": "\xff", "limit": 1}', {}),
+    ("/v1/memories/scan", b'["q", 1] trailing', {}),
+    ("/v1/memories/read", b'{"ids": null}', {}),
+    ("/v1/memories/read", b'{"ids": [0]}', {}),
+    ("/v1/memories/read", b'{"ids": [9223372036854775808]}', {}),
+    ("/v1/memories/read", b'{"keys": [{"id": 1, "version": 0, "namespace": "bob"}]}', {}),
+    ("/v1/memories/read", b'{"keys": [{"id": 1, "version": 1, "namespace": "b b"}]}', {}),
+    ("/v1/memories/put", b'{"content": "   \\u3000 "}', {}),
+    ("/v1/memories/put", b'{"content": "aws key AKIAIOSFODNN7EXAMPLE here"}', {}),
+    ("/v1/memories/put", b'{"content": "nul \\u0000 inside"}', {}),
+    ("/v1/memories/export", b'{"limit": 1, "cursor": {"namespace": "alice", "id": 0}}', {}),
+    ("/v1/memories/export", b'{"limit": 1, "cursor": {"namespace": "alice", "id": 1, "x": 1}}', {}),
+    ("/v1/memories/export", b'{"limit": 1, "namespaces": ["ok", ""]}', {}),
+    ("/v1/memories/delete", b"{}", {}),
+    ("/v1/memories/sync", b'{"memories": [{"key": {"id": 1, "version": 1}}]}', {}),
+]
+
+
+def test_malformed_requests_are_bad_requests(client: Client) -> None:
+    for path, raw, headers in MALFORMED:
+        assert client.call(path, raw=raw, headers=headers) == (400, error("bad_request")), raw
     assert client.export() == []
 
 
 def test_versions_and_missing_rows(client: Client) -> None:
     record = client.put("versioned note")
     stale = {**record["key"], "version": 2}
-    assert_error(client.call("/v1/memories/put", {"content": "new", "replacement": stale}), 409, "conflict")
+    assert_error(
+        client.call("/v1/memories/put", {"content": "new", "replacement": stale}), 409, "conflict"
+    )
     assert_error(client.call("/v1/memories/delete", {"key": stale}), 409, "conflict")
     missing = {"id": 99, "version": 1, "namespace": "alice"}
-    assert_error(client.call("/v1/memories/put", {"content": "new", "replacement": missing}), 404, "not_found")
+    assert_error(
+        client.call("/v1/memories/put", {"content": "new", "replacement": missing}),
+        404,
+        "not_found",
+    )
     assert client.call("/v1/memories/delete", {"key": missing}) == (200, b"{}")  # idempotent
     other = client.put("another note")
     clash = {"content": "ANOTHER note", "replacement": record["key"]}
@@ -568,16 +603,25 @@ def test_unknown_routes_and_wrong_methods_have_empty_bodies(client: Client) -> N
 def test_list_ignores_its_body(client: Client) -> None:
     client.put("listed whatever the body")
     for raw in (b"null", b"not json", b"x" * (3 * 1024 * 1024)):
-        assert len(client.ok("/v1/memories/list", raw=raw, headers={"content-type": ""})["memories"]) == 1
+        assert (
+            len(client.ok("/v1/memories/list", raw=raw, headers={"content-type": ""})["memories"])
+            == 1
+        )
 
 
 def test_record_and_content_capacity_per_namespace(client: Client) -> None:
     full = [snapshot_record(n, 1, f"{n:04}" + "z" * 1020) for n in range(1, 257)]
     assert client.ok("/v1/memories/sync", {"memories": full})["inserted"] == 256
-    assert_error(client.call("/v1/memories/put", {"content": "one byte more"}), 507, "content_capacity")
+    assert_error(
+        client.call("/v1/memories/put", {"content": "one byte more"}), 507, "content_capacity"
+    )
     small = [snapshot_record(n, 1, f"small note {n}") for n in range(1, 513)]
     assert client.ok("/v1/memories/sync", {"memories": small}, namespace="bob")["inserted"] == 512
-    assert_error(client.call("/v1/memories/put", {"content": "one more"}, namespace="bob"), 507, "record_capacity")
+    assert_error(
+        client.call("/v1/memories/put", {"content": "one more"}, namespace="bob"),
+        507,
+        "record_capacity",
+    )
     replace = {"content": "y" * 1024, "replacement": {"id": 1, "version": 1, "namespace": "alice"}}
     assert client.ok("/v1/memories/put", replace)["memory"]["key"]["version"] == 2  # same size fits
     assert len(client.export(["alice"])) == 256 and len(client.export(["bob"])) == 512
@@ -591,12 +635,18 @@ def test_telemetry_of_scan_read_and_replace(client: Client) -> None:
     assert cards["candidates"][0]["preview"] == record["content"][:64]
     (scanned,) = client.export()
     assert scanned["scan_count"] == 1 and scanned["last_scanned_at_ms"] is not None
-    (read,) = client.ok("/v1/memories/read", {"keys": [record["key"]]}, namespace="reader")["memories"]
+    (read,) = client.ok("/v1/memories/read", {"keys": [record["key"]]}, namespace="reader")[
+        "memories"
+    ]
     assert read["use_count"] == 1 and read["probation_until_ms"] is None
     assert read["last_used_at_ms"] is not None and read["scan_count"] == 1
     assert client.export() == [read]
     replaced = client.put("telemetry gotcha, revised", replacement=record["key"])
-    assert (replaced["scan_count"], replaced["use_count"], replaced["last_used_at_ms"]) == (0, 0, None)
+    assert (replaced["scan_count"], replaced["use_count"], replaced["last_used_at_ms"]) == (
+        0,
+        0,
+        None,
+    )
     assert replaced["probation_until_ms"] is not None
     assert replaced["created_at_ms"] == record["created_at_ms"]
 
@@ -666,12 +716,17 @@ def test_in_flight_limit_queues_requests_beyond_64(
     with ThreadPoolExecutor(65) as pool, store_locked(backend):
         answers = [pool.submit(client.call, "/v1/memories/list", None) for _ in range(65)]
         wait_for(
-            lambda: {k: health(client)[k] for k in ("in_flight", "waiting")}
-            == {"in_flight": 64, "waiting": 1},
+            lambda: (
+                {k: health(client)[k] for k in ("in_flight", "waiting")}
+                == {"in_flight": 64, "waiting": 1}
+            ),
             "64 requests in flight and one waiting",
         )
         time.sleep(0.3)  # and it stays so while the store is held
-        assert {k: health(client)[k] for k in ("in_flight", "waiting")} == {"in_flight": 64, "waiting": 1}
+        assert {k: health(client)[k] for k in ("in_flight", "waiting")} == {
+            "in_flight": 64,
+            "waiting": 1,
+        }
     assert [answer.result() for answer in answers] == [(200, b'{"memories":[]}')] * 65
     assert health(client) == {"status": "ok", "in_flight": 0, "waiting": 0}
 
@@ -703,7 +758,11 @@ def test_logs_are_structured_and_hold_no_token_or_content(start: Callable[..., S
     assert server.stop() == -signal.SIGTERM  # uvicorn re-raises the signal once it has stopped
     events = [json.loads(line) for line in server.lines]
     assert events[-1] == {"event": "stopped"}
-    operations = [(e["operation"], e["status"], e.get("error_code")) for e in events if e["event"] == "operation"]
+    operations = [
+        (e["operation"], e["status"], e.get("error_code"))
+        for e in events
+        if e["event"] == "operation"
+    ]
     assert operations == [
         ("put", 200, None), ("scan", 200, None), ("put", 400, "bad_request"),
         ("session", 401, "unauthorized"), ("read", 200, None),
@@ -729,9 +788,18 @@ def test_graceful_shutdown_finishes_requests_in_flight(
     assert [key_of(r) for r in start().client.export()] == [("alice", 1, 1)]
 
 
-def test_help_and_startup_errors(tmp_path: pathlib.Path) -> None:
+def test_help_and_startup_errors(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shown = subprocess.run([*SERVER, "--help"], capture_output=True, text=True, check=True).stdout
-    for option in ("--sqlite", "--postgres", "--credentials", "--host", "--port", "--store-timeout"):
+    for option in (
+        "--sqlite",
+        "--postgres",
+        "--credentials",
+        "--host",
+        "--port",
+        "--store-timeout",
+    ):
         assert option in shown
     good = 'namespace = "alice"\nrole = "writer"\ntoken = "tok-000000000000000001"\n'
     cases = {
@@ -744,35 +812,30 @@ def test_help_and_startup_errors(tmp_path: pathlib.Path) -> None:
         "unknown key": f"[[credentials]]\n{good}comment = 1\n",
         "not toml": "[[credentials]\ntoken = tok-000000000000000001",
     }
+    database = str(tmp_path / "x.sqlite3")
     for name, text in cases.items():
         path = tmp_path / f"{name}.toml"
         path.write_text(text)
         path.chmod(0o600)
-        run = subprocess.run(
-            [*SERVER, "--sqlite", str(tmp_path / "x.sqlite3"), "--credentials", str(path), "--port", "0"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert run.returncode == 2, (name, run.stderr)
-        assert run.stderr.startswith("tactmem-server: ") and "Traceback" not in run.stderr, name
-        assert "tok-000000000000000001" not in run.stderr and "tok 000" not in run.stderr, name
+        assert tactmem_server.main(["--sqlite", database, "--credentials", str(path)]) == 2, name
+        stderr = capsys.readouterr().err
+        assert stderr.startswith("tactmem-server: ") and "Traceback" not in stderr, name
+        assert "tok-000000000000000001" not in stderr and "tok 000" not in stderr, name
     path = tmp_path / "open.toml"
     path.write_text(f"[[credentials]]\n{good}")
     path.chmod(0o644)
-    run = subprocess.run(
-        [*SERVER, "--sqlite", str(tmp_path / "x.sqlite3"), "--credentials", str(path)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert run.returncode == 2 and "0600" in run.stderr
+    assert tactmem_server.main(["--sqlite", database, "--credentials", str(path)]) == 2
+    assert "0600" in capsys.readouterr().err
     path.chmod(0o600)
-    run = subprocess.run(
-        [*SERVER, "--postgres", "host=/nonexistent-socket-dir dbname=x password=pw-zebra", "--credentials", str(path)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert run.returncode == 2 and "could not connect to PostgreSQL" in run.stderr
-    assert "pw-zebra" not in run.stderr
+    unreachable = "host=/nonexistent-socket-dir dbname=x password=pw-zebra"
+    assert tactmem_server.main(["--postgres", unreachable, "--credentials", str(path)]) == 2
+    stderr = capsys.readouterr().err
+    assert "could not connect to PostgreSQL" in stderr and "pw-zebra" not in stderr
 
 
-def test_a_tactmem_store_file_is_not_a_team_database(tmp_path: pathlib.Path, credentials: str) -> None:
+def test_a_tactmem_store_file_is_not_a_team_database(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
     path = tmp_path / "memory.sqlite3"
     with tactmem.Store(path) as store:
         store.put("a local conclusion")
@@ -822,7 +885,9 @@ def test_several_servers_keep_bounds_ids_and_versions(start: Callable[..., Serve
         client = clients[worker % 3]
         for round_number in range(6):
             for key in targets:
-                (current,) = client.ok("/v1/memories/read", {"ids": [key["id"]]})["memories"] or [None]
+                (current,) = client.ok("/v1/memories/read", {"ids": [key["id"]]})["memories"] or [
+                    None
+                ]
                 if current is None:
                     continue
                 content = f"replaced {key['id']} by {worker} in round {round_number}"
@@ -868,16 +933,25 @@ def test_a_server_killed_mid_write_leaves_nothing_partial(start: Callable[..., S
         for letter in "ab"
     ]
     stop = threading.Event()
+    cut: list[int] = []
 
     def write(worker: int) -> None:
         for round_number in itertools.count():
             if stop.is_set():
                 return
-            with contextlib.suppress(OSError, http.client.HTTPException):
+            try:
                 if worker % 2:
-                    victim.client.call("/v1/memories/sync", {"memories": snapshots[round_number % 2]})
+                    victim.client.call(
+                        "/v1/memories/sync", {"memories": snapshots[round_number % 2]}
+                    )
                 else:
-                    victim.client.call("/v1/memories/put", {"content": f"put {worker} {round_number}"}, namespace="bob")
+                    victim.client.call(
+                        "/v1/memories/put",
+                        {"content": f"put {worker} {round_number}"},
+                        namespace="bob",
+                    )
+            except (OSError, http.client.HTTPException):
+                cut.append(worker)  # a request the kill cut off
 
     with ThreadPoolExecutor(8) as pool:
         writers = [pool.submit(write, worker) for worker in range(8)]
@@ -886,9 +960,81 @@ def test_a_server_killed_mid_write_leaves_nothing_partial(start: Callable[..., S
         stop.set()
         for writer in writers:
             writer.result()
+    assert cut, "no request was in flight when the server was killed"
+    served = [json.loads(line) for line in victim.lines]
+    assert any(e.get("operation") == "sync" and e["status"] == 200 for e in served)
     alice = [r["content"] for r in survivor.client.export(["alice"])]
     assert alice in ([], [r["content"] for r in snapshots[0]], [r["content"] for r in snapshots[1]])
     bob = survivor.client.export(["bob"])
     assert [r["key"]["id"] for r in bob] == list(range(1, len(bob) + 1))
     assert all(r["content"].startswith("put ") for r in bob)
     survivor.client.put("the database still takes writes", namespace="bob")
+
+
+# ============================================================================ in process
+
+
+class CountingEngine:
+    """A real SQLite engine that records the statements it runs (a spy, not a stand-in)."""
+
+    def __init__(self, path: str) -> None:
+        self.engine = tactmem_server.SqliteEngine(path)
+        self.bytes_sql, self.lock_sql = self.engine.bytes_sql, self.engine.lock_sql
+        self.statements: list[tuple[str, tuple[object, ...]]] = []
+
+    @contextlib.contextmanager
+    def transaction(self, deadline: float) -> Iterator[Any]:
+        engine = self
+        with self.engine.transaction(deadline) as tx:
+
+            class Recording:
+                def rows(self, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:
+                    engine.statements.append((sql, tuple(params)))
+                    return tx.rows(sql, params)
+
+                def run(self, sql: str, params: Any = ()) -> None:
+                    engine.statements.append((sql, tuple(params)))
+                    tx.run(sql, params)
+
+                def many(self, sql: str, params: Any) -> None:
+                    tx.many(sql, params)
+
+            yield Recording()
+
+    def check(self, deadline: float) -> None:
+        self.engine.check(deadline)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def test_token_statistics_are_refreshed_only_for_changed_namespaces(
+    tmp_path: pathlib.Path,
+) -> None:
+    engine = CountingEngine(str(tmp_path / "team.sqlite3"))
+    store = tactmem_server.TeamStore(engine)
+    far, now, limits = time.monotonic() + 30, tactmem._now_ms(), tactmem.Limits()
+    for namespace in ("alice", "bob", "carol"):
+        for n in range(3):
+            store.put(
+                namespace,
+                tactmem._check_put(f"{namespace} deploy note {n}", None, limits, now),
+                far,
+            )
+
+    def fetched() -> list[object]:
+        found = [p for sql, p in engine.statements if sql.startswith("SELECT id, version, content")]
+        engine.statements.clear()
+        return [params[0] for params in found]
+
+    terms = tactmem._query_terms("deploy note")
+    engine.statements.clear()
+    first = store.scan(terms, 5, now, far)
+    assert fetched() == ["alice", "bob", "carol"] and len(first) == 5
+    assert store.scan(terms, 5, now, far) == first
+    assert fetched() == []  # nothing changed: nothing fetched again
+    store.put("bob", tactmem._check_put("bob deploy note again", None, limits, now), far)
+    engine.statements.clear()
+    store.scan(terms, 5, now, far)
+    assert fetched() == ["bob"]
+    store.close()
