@@ -449,6 +449,15 @@ def check_export(
     return namespaces, cursor, limit
 
 
+def plan_put(put: tactmem._Put, state: tactmem._PutState) -> tactmem._PutPlan:
+    """The core's put plan, in the protocol's order of refusals: a replace whose content
+    another row holds is `duplicate` before `not_found` or `conflict` (the original classifies
+    a failed write as duplicate, not found, conflict, capacity); an insert's order is the core's."""
+    if put.replace is not None and state.duplicate_of not in (None, put.replace.id):
+        raise tactmem.Duplicate()
+    return tactmem._plan_put(put, state, LIMITS)
+
+
 def plan_sync(previous: Mapping[int, Record], snapshot: Sequence[Record]) -> dict[str, int]:
     """The sync report: each snapshot record inserted, replaced or unchanged (full equality,
     telemetry included) against the namespace's rows, and the rows it leaves out deleted."""
@@ -927,7 +936,7 @@ class TeamStore:
                 int(rows), int(size), max(next_id, int(top) + 1), same[0][0] if same else None,
                 *(target[0] if target else (None, 0, 0)),
             )  # fmt: skip
-            plan = tactmem._plan_put(put, state, LIMITS)
+            plan = plan_put(put, state)
             new = plan.record
             values = attrs.astuple(new, recurse=False)[2:]  # times, then telemetry
             if plan.insert:

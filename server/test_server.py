@@ -589,6 +589,10 @@ def test_versions_and_missing_rows(client: Client) -> None:
     other = client.put("another note")
     clash = {"content": "ANOTHER note", "replacement": record["key"]}
     assert_error(client.call("/v1/memories/put", clash), 409, "duplicate")
+    # The original's order: duplicate before not found and conflict.
+    for key in (missing, stale):
+        clash = {"content": "another   NOTE", "replacement": key}
+        assert_error(client.call("/v1/memories/put", clash), 409, "duplicate")
     assert [key_of(r) for r in client.export()] == [("alice", 1, 1), ("alice", 2, 1)]
     assert other["key"]["id"] == 2
 
