@@ -928,6 +928,33 @@ def test_several_servers_keep_bounds_ids_and_versions(start: Callable[..., Serve
     assert clients[2].put("the row freed by the delete")["key"]["id"] == 513  # never reused
 
 
+def test_racing_writers_never_break_the_content_bound(start: Callable[..., Server]) -> None:
+    """Three servers, eight clients inserting 1,000-byte records into a namespace 6,144 bytes
+    short of its content bound: exactly six fit, whichever server takes them."""
+    clients = [start().client for _ in range(3)]
+    full = [snapshot_record(n, 1, f"{n:04}" + "f" * 1020) for n in range(1, 251)]
+    assert (
+        clients[0].ok("/v1/memories/sync", {"memories": full}, namespace="bob")["inserted"] == 250
+    )
+    counter = itertools.count()
+    answers: list[tuple[int, bytes]] = []
+
+    def insert(worker: int) -> None:
+        for _ in range(4):
+            content = f"{next(counter):04}" + "g" * 996
+            answers.append(
+                clients[worker % 3].call("/v1/memories/put", {"content": content}, namespace="bob")
+            )
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(insert, range(8)))
+    assert sorted(status for status, _ in answers) == [200] * 6 + [507] * 26
+    assert {data for status, data in answers if status == 507} == {error("content_capacity")}
+    stored = clients[1].export(["bob"])
+    assert sum(len(r["content"].encode()) for r in stored) == 250 * 1024 + 6 * 1000
+    assert [r["key"]["id"] for r in stored] == list(range(1, 257))
+
+
 def test_a_server_killed_mid_write_leaves_nothing_partial(start: Callable[..., Server]) -> None:
     """SIGKILL a server while it applies 512-record snapshots and puts; the survivor sees each
     namespace as one whole snapshot (or one whole put), never a part."""
