@@ -680,8 +680,9 @@ class PostgresEngine:
         self._psycopg = psycopg
         self._pool_timeout = psycopg_pool.PoolTimeout
         self._pool = psycopg_pool.ConnectionPool(
-            url, min_size=1, max_size=pool_size, kwargs={"autocommit": True}, open=False
-        )
+            url, min_size=1, max_size=pool_size, kwargs={"autocommit": True}, open=False,
+            check=psycopg_pool.ConnectionPool.check_connection,  # after a restart, reconnect
+        )  # fmt: skip
         try:
             self._pool.open(wait=True, timeout=10)
         except (psycopg.Error, psycopg_pool.PoolTimeout):

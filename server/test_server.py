@@ -82,8 +82,9 @@ def _version_key(path: str) -> tuple[int, ...]:
 
 
 class Cluster:
-    def __init__(self, socket_dir: str) -> None:
+    def __init__(self, socket_dir: str, restart: Callable[[], None]) -> None:
         self.socket_dir = socket_dir
+        self.restart = restart
 
     def dsn(self, database: str) -> str:
         return f"host={self.socket_dir} user=postgres dbname={database}"
@@ -121,18 +122,22 @@ def cluster() -> Iterator[Cluster]:
         os.chown(base, nobody.pw_uid, nobody.pw_gid)
         os.chmod(base, 0o755)
         user = {"user": nobody.pw_uid, "group": nobody.pw_gid}
-    data, sockets = os.path.join(base, "data"), os.path.join(base, "sockets")
+    data, sockets, log = (os.path.join(base, name) for name in ("data", "sockets", "log"))
     run = functools_partial_run(user, base)
     try:
         run([initdb, "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-locale"])
         run(["mkdir", sockets])
         options = f"-k {sockets} -c listen_addresses='' -c max_connections=300 -c fsync=off"
-        run([pg_ctl, "-D", data, "-l", os.path.join(base, "log"), "-o", options, "-w", "start"])
+        run([pg_ctl, "-D", data, "-l", log, "-o", options, "-w", "start"])
     except subprocess.CalledProcessError as failure:
         shutil.rmtree(base, ignore_errors=True)
         _unavailable(f"{failure.cmd[0]} failed: {failure.stderr!r}")
+
+    def restart() -> None:
+        run([pg_ctl, "-D", data, "-l", log, "-m", "fast", "-o", options, "-w", "restart"])
+
     try:
-        yield Cluster(sockets)
+        yield Cluster(sockets, restart)
     finally:
         subprocess.run([pg_ctl, "-D", data, "-m", "immediate", "stop"], **user, capture_output=True)
         shutil.rmtree(base, ignore_errors=True)
@@ -140,7 +145,9 @@ def cluster() -> Iterator[Cluster]:
 
 def functools_partial_run(user: dict[str, Any], cwd: str) -> Callable[[list[str]], None]:
     def run(command: list[str]) -> None:
-        subprocess.run(command, **user, cwd=cwd, check=True, capture_output=True, text=True)
+        subprocess.run(
+            command, **user, cwd=cwd, check=True, capture_output=True, text=True, timeout=120
+        )
 
     return run
 
@@ -1069,3 +1076,16 @@ def test_token_statistics_are_refreshed_only_for_changed_namespaces(
     store.scan(terms, 5, now, far)
     assert fetched() == ["bob"]
     store.close()
+
+
+def test_the_server_reconnects_after_postgresql_restarts(
+    cluster: Cluster, credentials: str
+) -> None:
+    server = Server(["--postgres", cluster.url(cluster.new_database())], credentials)
+    try:
+        server.client.put("written before the restart")
+        cluster.restart()
+        assert server.client.put("written after the restart")["key"]["id"] == 2
+        assert health(server.client)["status"] == "ok"
+    finally:
+        server.stop(signal.SIGKILL)
