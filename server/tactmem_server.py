@@ -1252,8 +1252,8 @@ class _Server:
                 raise _api_error(error) from None
             except ApiError:
                 raise
-            except Exception:
-                _log.exception("internal error")
+            except Exception as error:  # a bug: its type only, since a message may quote a value
+                _log_event(event="internal_error", error=type(error).__name__)
                 raise ApiError(500, "internal") from None
 
         with anyio.move_on_after(self.timeout_s + _GRACE_S):
@@ -1348,6 +1348,7 @@ def create_app(
     app = Starlette(
         routes=routes, exception_handlers={HTTPException: _empty_error}, lifespan=lifespan
     )
+    app.router.redirect_slashes = False  # `/v1/session/` is an unknown route, as in axum
     app.state.limit = InFlightLimit(app)
     limited: InFlightLimit = app.state.limit
     return limited

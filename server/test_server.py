@@ -18,6 +18,7 @@ import pathlib
 import pwd
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -609,6 +610,7 @@ def test_unknown_routes_and_wrong_methods_have_empty_bodies(client: Client) -> N
     assert client.call("/v2/session", method="GET") == (404, b"")
     assert client.call("/v1/memories/scan", method="GET") == (405, b"")
     assert client.call("/v1/session", method="POST") == (405, b"")
+    assert client.call("/v1/session/", method="GET") == (404, b"")  # no redirect
 
 
 def test_list_ignores_its_body(client: Client) -> None:
@@ -1089,3 +1091,14 @@ def test_the_server_reconnects_after_postgresql_restarts(
         assert health(server.client)["status"] == "ok"
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_the_listener_is_a_tcp_socket_so_connections_get_nodelay() -> None:
+    """asyncio sets TCP_NODELAY only on connections accepted from a socket whose protocol is
+    IPPROTO_TCP; a socket made with protocol 0 left every response waiting for a delayed ACK."""
+    listener = tactmem_server._listen("127.0.0.1", 0)
+    try:
+        assert listener.proto == socket.IPPROTO_TCP
+        assert listener.getsockname()[1] > 0
+    finally:
+        listener.close()
