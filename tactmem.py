@@ -3868,15 +3868,15 @@ def _cache_header() -> bytes | None:
 
 def _cache_entries(lines: list[bytes]) -> dict[str, _Derived]:
     """The entries of these lines: parsed all at once (several times faster), or one by one
-    when one is not JSON (a torn last line, say)."""
+    when one is not JSON (a torn last line, say, or one nested past the recursion limit)."""
     import json
 
     try:
         entries = json.loads(b"[" + b",".join(filter(None, lines)) + b"]")
-    except ValueError:
+    except (ValueError, RecursionError):
         entries = []
         for line in lines:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):
                 entries.append(json.loads(line))
     return dict(filter(None, map(_cache_entry, entries)))
 

@@ -780,6 +780,24 @@ def test_a_damaged_side_cache_is_ignored(db: Path, damage: bytes) -> None:
     assert len(mended) < 2000
 
 
+@pytest.mark.parametrize("torn", [b"", b'\n["abc", fal'])  # parsed at once, or line by line
+def test_a_side_cache_nested_too_deep_is_ignored(db: Path, torn: bytes) -> None:
+    """JSON nested deeper than Python's recursion limit is a RecursionError, not a ValueError:
+    it must not leave a scan, nor the command line, as anything but an ignored cache."""
+    with Store(db) as store:
+        for text in CACHE_TEXTS:
+            store.put(text)  # now: the command line's scan must find them
+        expected = cards(store, "release train")
+    cache = db.parent / (db.name + "-cache")
+    header = cache.read_bytes().splitlines(keepends=True)[0]
+    cache.write_bytes(header + b"[" * 100_000 + torn + b"\n")
+    with Store(db) as fresh:
+        assert cards(fresh, "release train") == expected
+    cache.write_bytes(header + b"[" * 100_000 + torn + b"\n")
+    result = cli("--db", str(db), "scan", "release train")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
 def test_side_cache_that_is_not_a_file_or_cannot_be_written(db: Path) -> None:
     with Store(db) as store:
         store.put(CACHE_TEXTS[0], now_ms=0)
