@@ -3898,8 +3898,8 @@ def _load_cache(path: str, limits: Limits) -> tuple[dict[str, _Derived], int]:
     """The entries of the side cache and its line count (too many to keep appending to when
     it is not this build's, so the next write rewrites it)."""
     header = _cache_header()
-    try:
-        with open(path, "rb") as file:
+    try:  # never through a link, and never waiting for a FIFO's writer
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as file:
             info = os.fstat(file.fileno())
             if not stat.S_ISREG(info.st_mode) or info.st_size > _cache_bytes(limits):
                 return {}, sys.maxsize
@@ -3924,11 +3924,15 @@ def _write_cache(path: str, entries: Mapping[str, _Derived], *, rewrite: bool) -
         for digest, (hidden, counts) in entries.items()
     )
     target = path + ".tmp" if rewrite else path
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if rewrite else os.O_APPEND)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # as `_load_cache`
+    flags |= os.O_TRUNC if rewrite else os.O_APPEND
     with contextlib.suppress(OSError):
         descriptor = os.open(target, flags, 0o600)
         try:
-            size = os.fstat(descriptor).st_size  # after a torn line, a line of its own:
+            info = os.fstat(descriptor)
+            if not stat.S_ISREG(info.st_mode):  # a FIFO or a device: never written to
+                return
+            size = info.st_size  # after a torn line, a line of its own:
             torn = size and os.pread(descriptor, 1, size - 1) != b"\n"
             os.write(descriptor, b"\n" + lines if torn else lines if size else header + lines)
         finally:

@@ -798,6 +798,40 @@ def test_a_side_cache_nested_too_deep_is_ignored(db: Path, torn: bytes) -> None:
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
+@pytest.mark.parametrize("when", ["at the load", "at an append"])
+def test_a_fifo_at_the_side_cache_path_cannot_hang_a_scan(db: Path, when: str) -> None:
+    """Issue 13's rule for the database, kept for its side cache: a FIFO at the path (or a
+    link to one) is never opened to block, for reading or for writing, while a scan holds
+    the write lock. Run in a child, so that a hang is a timeout, not a stuck suite."""
+    with Store(db) as store:
+        store.put(CACHE_TEXTS[0])
+    cache, fifo = db.parent / (db.name + "-cache"), db.parent / "fifo"
+    os.mkfifo(fifo)
+    script = (
+        "import os, sys, tactmem\n"
+        "store = tactmem.Store(sys.argv[1])\n"
+        "cache, fifo = sys.argv[1] + '-cache', sys.argv[2]\n"
+        "if sys.argv[3] == 'at the load':\n"
+        "    os.symlink(fifo, cache)\n"
+        "else:\n"
+        "    store.scan('release')\n"
+        "    os.unlink(cache)\n"
+        "    os.mkfifo(cache)\n"
+        "    store.put('the release train is late')\n"
+        "print(len(store.scan('release').candidates))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(db), str(fifo), when],
+        capture_output=True, text=True, cwd=HERE, timeout=30,
+    )  # fmt: skip
+    assert (result.returncode, result.stdout, result.stderr) == (
+        0,
+        f"{1 + (when != 'at the load')}\n",
+        "",
+    )
+    assert not cache.is_file() or cache.read_bytes().startswith(b'["tactmem-cache"')
+
+
 def test_side_cache_that_is_not_a_file_or_cannot_be_written(db: Path) -> None:
     with Store(db) as store:
         store.put(CACHE_TEXTS[0], now_ms=0)
