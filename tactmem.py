@@ -3924,7 +3924,7 @@ def _write_cache(path: str, entries: Mapping[str, _Derived], *, rewrite: bool) -
         for digest, (hidden, counts) in entries.items()
     )
     target = path + ".tmp" if rewrite else path
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # as `_load_cache`
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # read: the last byte
     flags |= os.O_TRUNC if rewrite else os.O_APPEND
     with contextlib.suppress(OSError):
         descriptor = os.open(target, flags, 0o600)

@@ -723,6 +723,21 @@ def test_side_cache_serves_a_fresh_store_the_same_ranking(db: Path) -> None:
     assert len(cache_lines(db)) == 3  # nothing new was worked out, so nothing was added
 
 
+def test_side_cache_takes_in_what_later_scans_work_out(db: Path) -> None:
+    """A text first seen by a later scan is appended (the file is not rewritten for it), and
+    serves the next process as the first ones do."""
+    with Store(db) as store:
+        store.put(CACHE_TEXTS[0], now_ms=0)
+        store.scan("release", now_ms=1)
+        store.put(CACHE_TEXTS[1], now_ms=0)
+        first = cards(store, "release train")
+    assert [entry[0] for entry in cache_lines(db)[1:]] == list(map(tactmem._digest, CACHE_TEXTS))
+    with Store(db) as fresh:
+        assert fresh.scan("nowhere", now_ms=1).abstained
+        assert fresh._corpus.unconfirmed == {1, 2}  # both taken from the cache, neither shown
+        assert cards(fresh, "release train") == first
+
+
 def test_a_lying_side_cache_never_shows_a_secret(db: Path) -> None:
     """A forged entry that calls a secret-shaped row clean: the card is checked, the cache
     thrown away and the ranking done again without it."""
