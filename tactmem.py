@@ -3919,8 +3919,9 @@ def _write_cache(path: str, entries: Mapping[str, _Derived], *, rewrite: bool) -
     header = _cache_header()
     if header is None:
         return
-    lines = b"".join(
-        json.dumps([digest, hidden, counts], ensure_ascii=False).encode() + b"\n"
+    lines = b"".join(  # a lone surrogate, which only a forged line has, as json.loads reads it
+        json.dumps([digest, hidden, counts], ensure_ascii=False).encode(errors="surrogatepass")
+        + b"\n"
         for digest, (hidden, counts) in entries.items()
     )
     target = path + ".tmp" if rewrite else path

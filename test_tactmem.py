@@ -847,6 +847,25 @@ def test_a_fifo_at_the_side_cache_path_cannot_hang_a_scan(db: Path, when: str) -
     assert not cache.is_file() or cache.read_bytes().startswith(b'["tactmem-cache"')
 
 
+def test_a_forged_lone_surrogate_in_the_side_cache_is_not_an_error(db: Path) -> None:
+    """JSON can spell a lone surrogate (`\\ud800`), which no text has and UTF-8 cannot encode:
+    a forged entry holding one, for a live text, must not break the rewrite that keeps it."""
+    with Store(db) as store:
+        store.put(CACHE_TEXTS[0], now_ms=0)
+        store.scan("release", now_ms=1)
+    cache = db.parent / (db.name + "-cache")
+    forged = json.dumps([tactmem._digest(CACHE_TEXTS[0]), False, {"release": 1, "\ud800": 1}])
+    cache.write_bytes(cache.read_bytes().splitlines(keepends=True)[0] + forged.encode())
+    cache.write_bytes(cache.read_bytes() + b"\n" + b"[0]\n" * 100)  # the next write rewrites
+    with Store(db) as fresh:
+        fresh.scan("release", now_ms=1)
+        fresh.put(CACHE_TEXTS[1], now_ms=1)
+        assert len(fresh.scan("release", now_ms=1).candidates) == 2
+    assert b'"\xed\xa0\x80": 1' in cache.read_bytes()  # kept (it is live), as json reads it
+    with Store(db) as again:
+        assert len(again.scan("release", now_ms=1).candidates) == 2
+
+
 def test_side_cache_that_is_not_a_file_or_cannot_be_written(db: Path) -> None:
     with Store(db) as store:
         store.put(CACHE_TEXTS[0], now_ms=0)
