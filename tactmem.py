@@ -3933,8 +3933,10 @@ def _write_cache(path: str, entries: Mapping[str, _Derived], *, rewrite: bool) -
             info = os.fstat(descriptor)
             if not stat.S_ISREG(info.st_mode):  # a FIFO or a device: never written to
                 return
-            size = info.st_size  # after a torn line, a line of its own:
-            torn = size and os.pread(descriptor, 1, size - 1) != b"\n"
+            size = info.st_size
+            if size and os.pread(descriptor, len(header), 0) != header:
+                return  # another build's (which would trust what this one adds) or a foreign file
+            torn = size and os.pread(descriptor, 1, size - 1) != b"\n"  # then a line of its own
             os.write(descriptor, b"\n" + lines if torn else lines if size else header + lines)
         finally:
             os.close(descriptor)

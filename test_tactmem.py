@@ -738,6 +738,21 @@ def test_side_cache_takes_in_what_later_scans_work_out(db: Path) -> None:
         assert cards(fresh, "release train") == first
 
 
+def test_side_cache_appends_only_under_its_own_builds_header(db: Path) -> None:
+    """Two builds may run on one store at once (an MCP server started before an upgrade, the
+    command line after it): a process whose file another build has since rewritten must not
+    append what it works out under that build's header, which the other build would trust."""
+    with Store(db) as store:
+        store.put(CACHE_TEXTS[0], now_ms=0)
+        store.scan("release", now_ms=1)  # the cache is loaded, under this build's header
+        cache = db.parent / (db.name + "-cache")
+        other = b'["tactmem-cache", 1, "another build"]\n'
+        cache.write_bytes(other)  # the other build's rewrite
+        store.put(CACHE_TEXTS[1], now_ms=0)
+        assert len(store.scan("release", now_ms=1).candidates) == 2
+        assert cache.read_bytes() == other
+
+
 def test_a_lying_side_cache_never_shows_a_secret(db: Path) -> None:
     """A forged entry that calls a secret-shaped row clean: the card is checked, the cache
     thrown away and the ranking done again without it."""
