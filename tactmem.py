@@ -3842,10 +3842,10 @@ _FILES: Final = {
 # ------------------------------------------------------------------------ the side cache
 # `<database>-cache` keeps `_Derived` by `_digest` for the next process, so that its first scan
 # need not tokenize and check every row again (README, "Performance"). JSON lines: a header
-# naming this exact build of tactmem (its source's digest), then `[digest, hidden, counts]`
-# lines, appended under the database's write lock and rewritten with only live texts when dead
-# ones pile up. Disposable: a file that is missing, too large, of another build or unreadable
-# is ignored, and so is any line that is not exactly that shape.
+# naming this exact build of tactmem (its source's digest) and the Unicode database it reads,
+# then `[digest, hidden, counts]` lines, appended under the database's write lock and rewritten
+# with only live texts when dead ones pile up. Disposable: a file that is missing, too large, of
+# another build or unreadable is ignored, and so is any line that is not exactly that shape.
 
 
 def _cache_bytes(limits: Limits) -> int:
@@ -3855,7 +3855,9 @@ def _cache_bytes(limits: Limits) -> int:
 
 @functools.cache
 def _cache_header() -> bytes | None:
-    """The header naming this build, or None (no cache) when the source cannot be read."""
+    """The header naming this build and the Unicode database its tokenizer and secret rules
+    read (every interpreter an agent runs shares the store), or None (no cache) when the
+    source cannot be read."""
     import json
 
     try:
@@ -3863,7 +3865,7 @@ def _cache_header() -> bytes | None:
             build = _digest(source.read().decode("utf-8", "surrogateescape"))
     except (OSError, TypeError, NameError):
         return None
-    return json.dumps(["tactmem-cache", 1, build]).encode() + b"\n"
+    return json.dumps(["tactmem-cache", 1, build, unicodedata.unidata_version]).encode() + b"\n"
 
 
 def _cache_entries(lines: list[bytes]) -> dict[str, _Derived]:

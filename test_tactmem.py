@@ -753,6 +753,26 @@ def test_side_cache_appends_only_under_its_own_builds_header(db: Path) -> None:
         assert cache.read_bytes() == other
 
 
+def test_side_cache_of_another_unicode_database_is_ignored(
+    db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a text yields depends on the interpreter's Unicode database as much as on the
+    source (`\\w`, `str.isupper`, `unicodedata.category`; Python 3.11 has Unicode 14, 3.12
+    has 15), and one global store serves every interpreter an agent runs."""
+    with Store(db) as store:
+        store.put(CACHE_TEXTS[0], now_ms=0)
+        store.scan("release", now_ms=1)
+    monkeypatch.setattr(tactmem.unicodedata, "unidata_version", "13.0.0")
+    tactmem._cache_header.cache_clear()
+    try:
+        with Store(db) as fresh:
+            assert fresh.scan("nowhere", now_ms=1).abstained
+            assert fresh._corpus.unconfirmed == set()  # worked out anew
+    finally:
+        monkeypatch.undo()
+        tactmem._cache_header.cache_clear()
+
+
 def test_a_lying_side_cache_never_shows_a_secret(db: Path) -> None:
     """A forged entry that calls a secret-shaped row clean: the card is checked, the cache
     thrown away and the ranking done again without it."""
