@@ -3853,15 +3853,29 @@ def _cache_bytes(limits: Limits) -> int:
     return 16 * limits.total_content_bytes + (1 << 20)
 
 
+def _source_stamp(file: int | str) -> tuple[int, int, int]:
+    """What tells one tactmem.py from the next: an upgrade or an edit changes one of these."""
+    info = os.stat(file)
+    return info.st_ino, info.st_size, info.st_mtime_ns
+
+
+try:  # the source this process runs, as imported (`_cache_header`)
+    _IMPORTED_SOURCE: tuple[int, int, int] | None = _source_stamp(__file__)
+except (OSError, NameError):
+    _IMPORTED_SOURCE = None
+
+
 @functools.cache
 def _cache_header() -> bytes | None:
     """The header naming this build and the Unicode database its tokenizer and secret rules
     read (every interpreter an agent runs shares the store), or None (no cache) when the
-    source cannot be read."""
+    source cannot be read, or is not the one imported (an upgrade replaced it since)."""
     import json
 
     try:
         with open(__file__, "rb") as source:
+            if _source_stamp(source.fileno()) != _IMPORTED_SOURCE:
+                return None
             build = _digest(source.read().decode("utf-8", "surrogateescape"))
     except (OSError, TypeError, NameError):
         return None

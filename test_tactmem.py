@@ -773,6 +773,42 @@ def test_side_cache_of_another_unicode_database_is_ignored(
         tactmem._cache_header.cache_clear()
 
 
+def test_side_cache_header_names_the_build_that_was_imported(tmp_path: Path, db: Path) -> None:
+    """An upgrade can replace tactmem.py under a running process (an MCP server) before its
+    first scan: that process must not write what its old code works out under the new
+    source's header, which every process of the new build would then trust."""
+    (tmp_path / "build").mkdir()
+    source = tmp_path / "build" / "tactmem.py"
+    shutil.copyfile(HERE / "tactmem.py", source)
+    script = (
+        "import sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "import tactmem\n"
+        "if sys.argv[2] == 'header':\n"
+        "    print(tactmem._cache_header().decode(), end='')\n"
+        "    sys.exit()\n"
+        "print('imported', flush=True)\n"
+        "sys.stdin.readline()  # the upgrade happens here\n"
+        "store = tactmem.Store(sys.argv[2])\n"
+        "store.put('deploys go through the release train')\n"
+        "print(len(store.scan('release').candidates))\n"
+    )
+    old = subprocess.Popen(
+        [sys.executable, "-c", script, str(source.parent), str(db)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert old.stdout is not None and old.stdout.readline() == "imported\n"
+    source.write_text(source.read_text() + "\n# the next version\n")
+    output, _ = old.communicate("\n", timeout=60)
+    assert (old.returncode, output) == (0, "1\n")
+    new = subprocess.run(
+        [sys.executable, "-c", script, str(source.parent), "header"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=60, check=True,
+    )  # fmt: skip
+    cache = db.parent / (db.name + "-cache")
+    assert not cache.exists() or not cache.read_text().startswith(new.stdout)
+
+
 def test_a_lying_side_cache_never_shows_a_secret(db: Path) -> None:
     """A forged entry that calls a secret-shaped row clean: the card is checked, the cache
     thrown away and the ranking done again without it."""
