@@ -3910,12 +3910,17 @@ def _cache_entry(entry: object) -> tuple[str, _Derived] | None:
     return digest, (hidden, counts)
 
 
+def _without_waiting(path: str, flags: int) -> int:
+    """The side cache's `open`: never through a link, never waiting for a FIFO's writer."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
 def _load_cache(path: str, limits: Limits) -> tuple[dict[str, _Derived], int]:
     """The entries of the side cache and its line count (too many to keep appending to when
     it is not this build's, so the next write rewrites it)."""
     header = _cache_header()
-    try:  # never through a link, and never waiting for a FIFO's writer
-        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as file:
+    try:
+        with open(path, "rb", opener=_without_waiting) as file:
             info = os.fstat(file.fileno())
             if not stat.S_ISREG(info.st_mode) or info.st_size > _cache_bytes(limits):
                 return {}, sys.maxsize
@@ -3941,7 +3946,7 @@ def _write_cache(path: str, entries: Mapping[str, _Derived], *, rewrite: bool) -
         for digest, (hidden, counts) in entries.items()
     )
     target = path + ".tmp" if rewrite else path
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # read: the last byte
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # `_without_waiting`
     flags |= os.O_TRUNC if rewrite else os.O_APPEND
     with contextlib.suppress(OSError):
         descriptor = os.open(target, flags, 0o600)

@@ -942,8 +942,10 @@ def test_side_cache_that_is_not_a_file_or_cannot_be_written(db: Path) -> None:
         store.put(CACHE_TEXTS[0], now_ms=0)
         (db.parent / (db.name + "-cache")).mkdir()
         assert [c.key.id for c in store.scan("release", now_ms=1).candidates] == [1]
+    descriptors = len(os.listdir("/proc/self/fd"))
     with Store(db) as fresh:
         assert [c.key.id for c in fresh.scan("release", now_ms=1).candidates] == [1]
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # the directory's was closed too
     assert (db.parent / (db.name + "-cache")).is_dir()
 
 
