@@ -762,7 +762,7 @@ def test_side_cache_of_another_unicode_database_is_ignored(
     with Store(db) as store:
         store.put(CACHE_TEXTS[0], now_ms=0)
         store.scan("release", now_ms=1)
-    monkeypatch.setattr(tactmem.unicodedata, "unidata_version", "13.0.0")
+    monkeypatch.setattr(unicodedata, "unidata_version", "13.0.0")
     tactmem._cache_header.cache_clear()
     try:
         with Store(db) as fresh:
