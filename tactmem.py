@@ -3841,10 +3841,11 @@ _FILES: Final = {
 # ------------------------------------------------------------------------ the side cache
 # `<database>-cache` keeps `_Derived` by `_digest` for the next process, so that its first scan
 # need not tokenize and check every row again (README, "Decisions"). A header naming this
-# exact build of tactmem (its source's digest), then `[digest, hidden, counts]` JSON lines,
-# each after the CRC-32 of its JSON; appended under the database's write lock and rewritten
-# with only live texts when dead ones pile up. Disposable: a file that is missing, too large,
-# of another build or unreadable is ignored, and so is any line whose CRC or shape is wrong.
+# exact build of tactmem (its source's digest) and the Unicode database it reads, then
+# `[digest, hidden, counts]` JSON lines, each after the CRC-32 of its JSON; appended under the
+# database's write lock and rewritten with only live texts when dead ones pile up.
+# Disposable: a file that is missing, too large, of another build or unreadable is ignored,
+# and so is any line whose CRC or shape is wrong.
 
 
 def _cache_bytes(limits: Limits) -> int:
@@ -3852,17 +3853,33 @@ def _cache_bytes(limits: Limits) -> int:
     return 16 * limits.total_content_bytes + (1 << 20)
 
 
+def _source_stamp(file: int | str) -> tuple[int, int, int]:
+    """What tells one tactmem.py from the next: an upgrade or an edit changes one of these."""
+    info = os.stat(file)
+    return info.st_ino, info.st_size, info.st_mtime_ns
+
+
+try:  # the source this process runs, as imported (`_cache_header`)
+    _IMPORTED_SOURCE: tuple[int, int, int] | None = _source_stamp(__file__)
+except (OSError, NameError):
+    _IMPORTED_SOURCE = None
+
+
 @functools.cache
 def _cache_header() -> bytes | None:
-    """The header naming this build, or None (no cache) when the source cannot be read."""
+    """The header naming this build and the Unicode database its tokenizer and secret rules
+    read (every interpreter an agent runs shares the store), or None (no cache) when the
+    source cannot be read, or is not the one imported (an upgrade replaced it since)."""
     import json
 
     try:
         with open(__file__, "rb") as source:
+            if _source_stamp(source.fileno()) != _IMPORTED_SOURCE:
+                return None
             build = _digest(source.read().decode("utf-8", "surrogateescape"))
     except (OSError, TypeError, NameError):
         return None
-    return json.dumps(["tactmem-cache", 1, build]).encode() + b"\n"
+    return json.dumps(["tactmem-cache", 1, build, unicodedata.unidata_version]).encode() + b"\n"
 
 
 def _cache_line(body: bytes) -> bytes:
@@ -3872,16 +3889,16 @@ def _cache_line(body: bytes) -> bytes:
 
 def _cache_entries(lines: list[bytes]) -> dict[str, _Derived]:
     """The entries of the lines whose CRC holds: parsed all at once (several times faster),
-    or one by one when one is not JSON."""
+    or one by one when one is not JSON (one nested past the recursion limit, say)."""
     import json
 
     bodies = [line[9:] for line in lines if line[:9] == b"%08x " % binascii.crc32(line[9:])]
     try:
         entries = json.loads(b"[" + b",".join(bodies) + b"]")
-    except ValueError:
+    except (ValueError, RecursionError):
         entries = []
         for body in bodies:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):
                 entries.append(json.loads(body))
     return dict(filter(None, map(_cache_entry, entries)))
 
@@ -3900,12 +3917,17 @@ def _cache_entry(entry: object) -> tuple[str, _Derived] | None:
     return digest, (hidden, counts)
 
 
+def _without_waiting(path: str, flags: int) -> int:
+    """The side cache's `open`: never through a link, never waiting for a FIFO's writer."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
 def _load_cache(path: str, limits: Limits) -> tuple[dict[str, _Derived], int]:
     """The entries of the side cache and its line count (too many to keep appending to when
     it is not this build's, so the next write rewrites it)."""
     header = _cache_header()
     try:
-        with open(path, "rb") as file:
+        with open(path, "rb", opener=_without_waiting) as file:
             info = os.fstat(file.fileno())
             if not stat.S_ISREG(info.st_mode) or info.st_size > _cache_bytes(limits):
                 return {}, sys.maxsize
@@ -3925,17 +3947,25 @@ def _write_cache(path: str, entries: Mapping[str, _Derived], *, rewrite: bool) -
     header = _cache_header()
     if header is None:
         return
-    lines = b"".join(
-        _cache_line(json.dumps([digest, hidden, counts], ensure_ascii=False).encode())
+    lines = b"".join(  # a lone surrogate, which only a forged line has, as json.loads reads it
+        _cache_line(
+            json.dumps([digest, hidden, counts], ensure_ascii=False).encode(errors="surrogatepass")
+        )
         for digest, (hidden, counts) in entries.items()
     )
     target = path + ".tmp" if rewrite else path
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if rewrite else os.O_APPEND)
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # `_without_waiting`
+    flags |= os.O_TRUNC if rewrite else os.O_APPEND
     with contextlib.suppress(OSError):
         descriptor = os.open(target, flags, 0o600)
         try:
-            size = os.fstat(descriptor).st_size  # after a torn line, a line of its own:
-            torn = size and os.pread(descriptor, 1, size - 1) != b"\n"
+            info = os.fstat(descriptor)
+            if not stat.S_ISREG(info.st_mode):  # a FIFO or a device: never written to
+                return
+            size = info.st_size
+            if size and os.pread(descriptor, len(header), 0) != header:
+                return  # another build's (which would trust what this one adds) or a foreign file
+            torn = size and os.pread(descriptor, 1, size - 1) != b"\n"  # then a line of its own
             os.write(descriptor, b"\n" + lines if torn else lines if size else header + lines)
         finally:
             os.close(descriptor)

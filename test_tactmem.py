@@ -724,6 +724,92 @@ def test_side_cache_serves_a_fresh_store_the_same_ranking(db: Path) -> None:
     assert len(cache_lines(db)) == 3  # nothing new was worked out, so nothing was added
 
 
+def test_side_cache_takes_in_what_later_scans_work_out(db: Path) -> None:
+    """A text first seen by a later scan is appended (the file is not rewritten for it), and
+    serves the next process as the first ones do."""
+    with Store(db) as store:
+        store.put(CACHE_TEXTS[0], now_ms=0)
+        store.scan("release", now_ms=1)
+        store.put(CACHE_TEXTS[1], now_ms=0)
+        first = cards(store, "release train")
+    assert [entry[0] for entry in cache_lines(db)[1:]] == list(map(tactmem._digest, CACHE_TEXTS))
+    with Store(db) as fresh:
+        assert fresh.scan("nowhere", now_ms=1).abstained
+        assert fresh._corpus.unconfirmed == {1, 2}  # both taken from the cache, neither shown
+        assert cards(fresh, "release train") == first
+
+
+def test_side_cache_appends_only_under_its_own_builds_header(db: Path) -> None:
+    """Two builds may run on one store at once (an MCP server started before an upgrade, the
+    command line after it): a process whose file another build has since rewritten must not
+    append what it works out under that build's header, which the other build would trust."""
+    with Store(db) as store:
+        store.put(CACHE_TEXTS[0], now_ms=0)
+        store.scan("release", now_ms=1)  # the cache is loaded, under this build's header
+        cache = db.parent / (db.name + "-cache")
+        other = b'["tactmem-cache", 1, "another build"]\n'
+        cache.write_bytes(other)  # the other build's rewrite
+        store.put(CACHE_TEXTS[1], now_ms=0)
+        assert len(store.scan("release", now_ms=1).candidates) == 2
+        assert cache.read_bytes() == other
+
+
+def test_side_cache_of_another_unicode_database_is_ignored(
+    db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a text yields depends on the interpreter's Unicode database as much as on the
+    source (`\\w`, `str.isupper`, `unicodedata.category`; Python 3.11 has Unicode 14, 3.12
+    has 15), and one global store serves every interpreter an agent runs."""
+    with Store(db) as store:
+        store.put(CACHE_TEXTS[0], now_ms=0)
+        store.scan("release", now_ms=1)
+    monkeypatch.setattr(unicodedata, "unidata_version", "13.0.0")
+    tactmem._cache_header.cache_clear()
+    try:
+        with Store(db) as fresh:
+            assert fresh.scan("nowhere", now_ms=1).abstained
+            assert fresh._corpus.unconfirmed == set()  # worked out anew
+    finally:
+        monkeypatch.undo()
+        tactmem._cache_header.cache_clear()
+
+
+def test_side_cache_header_names_the_build_that_was_imported(tmp_path: Path, db: Path) -> None:
+    """An upgrade can replace tactmem.py under a running process (an MCP server) before its
+    first scan: that process must not write what its old code works out under the new
+    source's header, which every process of the new build would then trust."""
+    (tmp_path / "build").mkdir()
+    source = tmp_path / "build" / "tactmem.py"
+    shutil.copyfile(HERE / "tactmem.py", source)
+    script = (
+        "import sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "import tactmem\n"
+        "if sys.argv[2] == 'header':\n"
+        "    print(tactmem._cache_header().decode(), end='')\n"
+        "    sys.exit()\n"
+        "print('imported', flush=True)\n"
+        "sys.stdin.readline()  # the upgrade happens here\n"
+        "store = tactmem.Store(sys.argv[2])\n"
+        "store.put('deploys go through the release train')\n"
+        "print(len(store.scan('release').candidates))\n"
+    )
+    old = subprocess.Popen(
+        [sys.executable, "-c", script, str(source.parent), str(db)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert old.stdout is not None and old.stdout.readline() == "imported\n"
+    source.write_text(source.read_text() + "\n# the next version\n")
+    output, _ = old.communicate("\n", timeout=60)
+    assert (old.returncode, output) == (0, "1\n")
+    new = subprocess.run(
+        [sys.executable, "-c", script, str(source.parent), "header"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=60, check=True,
+    )  # fmt: skip
+    cache = db.parent / (db.name + "-cache")
+    assert not cache.exists() or not cache.read_text().startswith(new.stdout)
+
+
 def test_a_lying_side_cache_never_shows_a_secret(db: Path) -> None:
     """A forged entry that calls a secret-shaped row clean: the card is checked, the cache
     thrown away and the ranking done again without it."""
@@ -788,13 +874,88 @@ def test_a_damaged_side_cache_is_ignored(db: Path, damage: bytes) -> None:
     assert len(mended) < 2000
 
 
+@pytest.mark.parametrize("torn", [b"", b'["abc", fal'])  # parsed at once, or line by line
+def test_a_side_cache_nested_too_deep_is_ignored(db: Path, torn: bytes) -> None:
+    """JSON nested deeper than Python's recursion limit is a RecursionError, not a ValueError:
+    it must not leave a scan, nor the command line, as anything but an ignored cache."""
+    with Store(db) as store:
+        for text in CACHE_TEXTS:
+            store.put(text)  # now: the command line's scan must find them
+        expected = cards(store, "release train")
+    cache = db.parent / (db.name + "-cache")
+    header = cache.read_bytes().splitlines(keepends=True)[0]
+    nested = header + crc_line(b"[" * 100_000) + (crc_line(torn) if torn else b"")
+    cache.write_bytes(nested)
+    with Store(db) as fresh:
+        assert cards(fresh, "release train") == expected
+    cache.write_bytes(nested)
+    result = cli("--db", str(db), "scan", "release train")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+@pytest.mark.parametrize("when", ["at the load", "at an append"])
+def test_a_fifo_at_the_side_cache_path_cannot_hang_a_scan(db: Path, when: str) -> None:
+    """Issue 13's rule for the database, kept for its side cache: a FIFO at the path (or a
+    link to one) is never opened to block, for reading or for writing, while a scan holds
+    the write lock. Run in a child, so that a hang is a timeout, not a stuck suite."""
+    with Store(db) as store:
+        store.put(CACHE_TEXTS[0])
+    cache, fifo = db.parent / (db.name + "-cache"), db.parent / "fifo"
+    os.mkfifo(fifo)
+    script = (
+        "import os, sys, tactmem\n"
+        "store = tactmem.Store(sys.argv[1])\n"
+        "cache, fifo = sys.argv[1] + '-cache', sys.argv[2]\n"
+        "if sys.argv[3] == 'at the load':\n"
+        "    os.symlink(fifo, cache)\n"
+        "else:\n"
+        "    store.scan('release')\n"
+        "    os.unlink(cache)\n"
+        "    os.mkfifo(cache)\n"
+        "    store.put('the release train is late')\n"
+        "print(len(store.scan('release').candidates))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(db), str(fifo), when],
+        capture_output=True, text=True, cwd=HERE, timeout=30,
+    )  # fmt: skip
+    assert (result.returncode, result.stdout, result.stderr) == (
+        0,
+        f"{1 + (when != 'at the load')}\n",
+        "",
+    )
+    assert not cache.is_file() or cache.read_bytes().startswith(b'["tactmem-cache"')
+
+
+def test_a_forged_lone_surrogate_in_the_side_cache_is_not_an_error(db: Path) -> None:
+    """JSON can spell a lone surrogate (`\\ud800`), which no text has and UTF-8 cannot encode:
+    a forged entry holding one, for a live text, must not break the rewrite that keeps it."""
+    with Store(db) as store:
+        store.put(CACHE_TEXTS[0], now_ms=0)
+        store.scan("release", now_ms=1)
+    cache = db.parent / (db.name + "-cache")
+    forged = json.dumps([tactmem._digest(CACHE_TEXTS[0]), False, {"release": 1, "\ud800": 1}])
+    header = cache.read_bytes().splitlines(keepends=True)[0]
+    cache.write_bytes(header + tactmem._cache_line(forged.encode())[:-1])
+    cache.write_bytes(cache.read_bytes() + b"\n" + b"[0]\n" * 100)  # the next write rewrites
+    with Store(db) as fresh:
+        fresh.scan("release", now_ms=1)
+        fresh.put(CACHE_TEXTS[1], now_ms=1)
+        assert len(fresh.scan("release", now_ms=1).candidates) == 2
+    assert b'"\xed\xa0\x80": 1' in cache.read_bytes()  # kept (it is live), as json reads it
+    with Store(db) as again:
+        assert len(again.scan("release", now_ms=1).candidates) == 2
+
+
 def test_side_cache_that_is_not_a_file_or_cannot_be_written(db: Path) -> None:
     with Store(db) as store:
         store.put(CACHE_TEXTS[0], now_ms=0)
         (db.parent / (db.name + "-cache")).mkdir()
         assert [c.key.id for c in store.scan("release", now_ms=1).candidates] == [1]
+    descriptors = len(os.listdir("/proc/self/fd"))
     with Store(db) as fresh:
         assert [c.key.id for c in fresh.scan("release", now_ms=1).candidates] == [1]
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # the directory's was closed too
     assert (db.parent / (db.name + "-cache")).is_dir()
 
 
