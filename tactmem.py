@@ -942,17 +942,21 @@ class _Corpus:
             if index in cached:
                 self.unconfirmed.add(doc_id)
             if not hidden:
-                self.contents[doc_id] = content
-                self.counts[doc_id] = counts
-                self.lengths[doc_id] = sum(counts.values())
-                self.total_length += self.lengths[doc_id]
-                for term, count in counts.items():
-                    self.postings[term][doc_id] = count
+                self._add(doc_id, content, counts)
         return {
             digests[i]: derived[i]
             for i, row in enumerate(changed)
             if digests and i not in cached and isinstance(row[2], str)
         }
+
+    def _add(self, doc_id: int, content: str, counts: dict[str, int]) -> None:
+        """A visible document: its text, its counts, its length and its postings."""
+        self.contents[doc_id] = content
+        self.counts[doc_id] = counts
+        self.lengths[doc_id] = sum(counts.values())
+        self.total_length += self.lengths[doc_id]
+        for term, count in counts.items():
+            self.postings[term][doc_id] = count
 
     def confirm(self, doc_ids: Iterable[int]) -> bool:
         """Check the texts of these documents that came from a cache for secrets; False if
@@ -1055,7 +1059,7 @@ def _derive(
     derived: dict[int, _Derived] = {  # a hidden text's terms are kept nowhere
         i: (True, {}) if n in secret else (False, counted[i]) for n, i in enumerate(todo)
     }
-    return [derived.get(i) or known[digests[i]] for i in range(len(texts))], cached
+    return [derived[i] if i in derived else known[digests[i]] for i in range(len(texts))], cached
 
 
 def rank(
@@ -3912,8 +3916,8 @@ def _cache_entry(entry: object) -> tuple[str, _Derived] | None:
         return None
     if not isinstance(counts, dict) or set(map(type, counts.values())) - {int}:
         return None
-    if counts and not 1 <= min(counts.values()) <= max(counts.values()) <= 1 << 20:
-        return None
+    if counts and (hidden or not 1 <= min(counts.values()) <= max(counts.values()) <= 1 << 20):
+        return None  # a hidden text's terms are kept nowhere
     return digest, (hidden, counts)
 
 
@@ -4170,11 +4174,8 @@ class Store:
         with self._transaction(prune_at=now) as connection:
             self._sync(connection)
             plan = _plan_scan(self._corpus, terms, limit, self.limits, floor)
-            if not self._corpus.confirm(plan.scanned):  # the side cache lied: do without it
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path + _CACHE_SUFFIX)
-                self._corpus, self._known, self._cache_lines, self._stale = _Corpus(), {}, 0, True
-                self._sync(connection)
+            if not self._corpus.confirm(plan.scanned):
+                self._forget_the_cache(connection)
                 plan = _plan_scan(self._corpus, terms, limit, self.limits, floor)
             connection.executemany(
                 "UPDATE memories SET last_scanned_at_ms = ?, scan_count = scan_count + 1"
@@ -4434,6 +4435,14 @@ class Store:
             connection.executemany("DELETE FROM memories WHERE id = ?", expired)
             self._stale = True
         self._totals = _Totals(*connection.execute(_TOTALS).fetchone())
+
+    def _forget_the_cache(self, connection: sqlite3.Connection) -> None:
+        """The side cache called a secret-shaped text clean: delete it, and work out every
+        row's statistics again without it."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path + _CACHE_SUFFIX)
+        self._corpus, self._known, self._cache_lines, self._stale = _Corpus(), {}, 0, True
+        self._sync(connection)
 
     def _sync(self, connection: sqlite3.Connection) -> None:
         """Bring the token statistics up to date with the rows, re-tokenizing only changes

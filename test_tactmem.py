@@ -854,6 +854,7 @@ def crc_line(body: bytes) -> bytes:
         b"HEADER" + crc_line(b'["DIGEST", false, ["release"]]'),
         b"HEADER" + crc_line(b'["DIGEST", false, {"release": 99999999999999999999999}]'),
         b"HEADER" + crc_line(b'["DIGEST"]'),
+        b"HEADER" + crc_line(b'["DIGEST", true, {"release": 1}]'),  # hidden, with terms
         b"HEADER" + b" " * (17 << 20),  # past the size bound
     ],
 )
