@@ -1620,8 +1620,11 @@ def _secret_rows(texts: Sequence[str], terms: Iterable[str]) -> set[int]:
 
 
 def _hidden(content: object) -> bool:
-    """Rows no agent may see: secret-shaped content, or a non-text value from a foreign writer."""
-    return not isinstance(content, str) or find_secret(content) is not None
+    """Rows no agent may see: secret-shaped content, or from a foreign writer a value that is
+    not text or is text a put would refuse as empty."""
+    if not isinstance(content, str) or not content or _WS_RUN.fullmatch(content):
+        return True
+    return find_secret(content) is not None
 
 
 # The metadata a shown row must hold as integers (besides its version, at least 1, and the two

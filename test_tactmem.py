@@ -971,6 +971,17 @@ def test_side_cache_stays_bounded_by_the_live_texts(db: Path) -> None:
         assert [c.preview for c in fresh.scan("release", now_ms=1).candidates] == ["release 199"]
 
 
+@pytest.mark.parametrize("content", ["", " \n\t", "\u3000"])
+def test_a_foreign_row_with_empty_content_is_hidden(tiny: Store, db: Path, content: str) -> None:
+    """Content a put would refuse as empty (a foreign writer's) is no record for an agent:
+    the tool's output schema has none with empty content."""
+    tiny.list(now_ms=0)
+    doc_id = insert_raw(db, content)
+    assert tiny.read([doc_id], now_ms=1) == ()
+    assert tiny.list(now_ms=1) == ()
+    assert tiny._stats(now_ms=1)["hidden_records"] == 1
+
+
 def test_ref14_pragmas(tiny: Store, db: Path) -> None:
     tiny.put("pragmas", now_ms=1)
     connection = tiny._connect()
