@@ -1,0 +1,325 @@
+"""Team server benchmark: tactmem-server's scan and put latency and throughput.
+
+Run by hand, never as a timed test (SPEC §8):
+
+    python bench/server_bench.py            # 1 and 50 namespaces of 512 records, both backends
+    python bench/server_bench.py --quick    # fewer requests: too few samples to settle a figure
+
+For each backend (an SQLite file; a PostgreSQL cluster this script starts with initdb and pg_ctl)
+and for 1 and 50 namespaces filled with `bench.py`'s corpus (512 records, about 255 KiB each, one
+seed per namespace), one server process on 127.0.0.1 answers scans (`bench.py`'s queries) and
+puts (compare-and-swap replaces of each client's own records, so the bounds never refuse one) at
+1, 8 and 32 concurrent clients, each client on its own keep-alive HTTP connection. It prints p50
+and p95 latency and throughput. The anchor is PostgreSQL's own full-text search over the same
+records: `ts_rank` top 5 of a GIN-indexed `tsvector`, the query's terms joined by OR, through
+psycopg directly (no HTTP, no authentication, no telemetry write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import http.client
+import json
+import os
+import pwd
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `bench`
+
+import bench
+import tactmem
+
+CLIENTS: Final = (1, 8, 32)
+NAMESPACES: Final = (1, 50)
+TOKEN: Final = "bench-token-{}-0000000000000000"
+
+
+def _postgres_binary(name: str) -> str:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    path = found[-1] if found else shutil.which(name)
+    if path is None:
+        raise SystemExit(f"server_bench: {name} not found (apt-get install postgresql)")
+    return path
+
+
+@contextlib.contextmanager
+def cluster(base: str) -> Iterator[str]:
+    """A throwaway PostgreSQL cluster on a Unix socket in `base`; yields the socket directory."""
+    user: dict[str, Any] = {}
+    if os.geteuid() == 0:  # PostgreSQL refuses to run as root
+        nobody = pwd.getpwnam("nobody")
+        os.chown(base, nobody.pw_uid, nobody.pw_gid)
+        user = {"user": nobody.pw_uid, "group": nobody.pw_gid}
+    data, sockets, log = (os.path.join(base, name) for name in ("data", "sockets", "log"))
+    pg_ctl = _postgres_binary("pg_ctl")
+
+    def run(*command: str) -> None:
+        subprocess.run(command, **user, cwd=base, check=True, capture_output=True, timeout=120)
+
+    run(
+        _postgres_binary("initdb"),
+        "-D",
+        data,
+        "-U",
+        "postgres",
+        "--auth=trust",
+        "-E",
+        "UTF8",
+        "--no-locale",
+    )
+    run("mkdir", sockets)
+    options = f"-k {sockets} -c listen_addresses='' -c max_connections=200"
+    run(pg_ctl, "-D", data, "-l", log, "-o", options, "-w", "start")
+    try:
+        yield sockets
+    finally:
+        run(pg_ctl, "-D", data, "-m", "fast", "stop")
+
+
+def create_database(sockets: str, name: str) -> str:
+    import psycopg
+
+    with psycopg.connect(f"host={sockets} user=postgres dbname=postgres", autocommit=True) as db:
+        db.execute(f'CREATE DATABASE "{name}" ENCODING UTF8 TEMPLATE template0')
+    return f"host={sockets} user=postgres dbname={name}"
+
+
+class Connection:
+    """One client's keep-alive HTTP connection to the server."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        parts = urlsplit(url)
+        self.http = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=120)
+        self.headers = {
+            "authorization": f"Bearer {TOKEN.format(namespace)}",
+            "x-tact-memory-namespace": namespace,
+            "content-type": "application/json",
+        }
+
+    def post(self, path: str, body: object) -> Any:
+        self.http.request("POST", path, json.dumps(body).encode(), self.headers)
+        response = self.http.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{path}: {response.status} {data!r}")
+        return json.loads(data)
+
+
+def start_server(arguments: list[str], credentials: str) -> tuple[subprocess.Popen[str], str]:
+    command = [sys.executable, "-m", "tactmem_server", *arguments, "--credentials", credentials]
+    process = subprocess.Popen([*command, "--port", "0"], stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    line = process.stderr.readline()
+    threading.Thread(target=process.stderr.read, daemon=True).start()  # keep the pipe drained
+    return process, json.loads(line)["url"]
+
+
+def snapshot(contents: Sequence[str]) -> list[dict[str, Any]]:
+    return [
+        {
+            "key": {"id": doc_id, "version": 1},
+            "content": content,
+            "created_at_ms": 1,
+            "updated_at_ms": 1,
+            "scan_count": 0,
+            "use_count": 1,
+        }
+        for doc_id, content in enumerate(contents, 1)
+    ]
+
+
+def measure(clients: int, requests: int, work: Callable[[int, int], None]) -> dict[str, float]:
+    """Run `work(client, n)` `requests` times on each of `clients` threads at once."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(clients)
+
+    def client(index: int) -> None:
+        barrier.wait()
+        mine = []
+        for n in range(requests):
+            began = time.perf_counter()
+            work(index, n)
+            mine.append(time.perf_counter() - began)
+        with lock:
+            latencies.extend(mine)
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    wall = time.perf_counter() - began
+    cuts = statistics.quantiles(latencies, n=20)
+    return {
+        "p50": statistics.median(latencies) * 1000,
+        "p95": cuts[18] * 1000,
+        "rps": len(latencies) / wall,
+    }
+
+
+def bench_server(
+    backend: str, arguments: list[str], corpora: list[list[str]], queries: list[str], rounds: int
+) -> list[tuple[str, ...]]:
+    namespaces = [f"ns{n}" for n in range(len(corpora))]
+    with tempfile.TemporaryDirectory() as directory:
+        credentials = Path(directory) / "credentials.toml"
+        entry = '[[credentials]]\nnamespace = "{0}"\nrole = "writer"\ntoken = "{1}"\n'
+        credentials.write_text("".join(entry.format(ns, TOKEN.format(ns)) for ns in namespaces))
+        credentials.chmod(0o600)
+        process, url = start_server(arguments, str(credentials))
+        rows = []
+        try:
+            for ns, contents in zip(namespaces, corpora, strict=True):
+                Connection(url, ns).post("/v1/memories/sync", {"memories": snapshot(contents)})
+            for clients in CLIENTS:
+                rows.append(_scan_row(backend, url, namespaces, queries, clients, rounds))
+                rows.append(_put_row(backend, url, namespaces, corpora, clients, rounds))
+        finally:
+            process.terminate()
+            process.wait(60)
+    return rows
+
+
+def _scan_row(
+    backend: str, url: str, namespaces: list[str], queries: list[str], clients: int, rounds: int
+) -> tuple[str, ...]:
+    connections = [Connection(url, namespaces[i % len(namespaces)]) for i in range(clients)]
+
+    def scan(client: int, n: int) -> None:
+        query = queries[(client * 7 + n) % len(queries)]
+        connections[client].post("/v1/memories/scan", {"query": query, "limit": 5})
+
+    figures = measure(clients, rounds, scan)
+    return _row(backend, len(namespaces), "scan", clients, figures)
+
+
+def _put_row(
+    backend: str,
+    url: str,
+    namespaces: list[str],
+    corpora: list[list[str]],
+    clients: int,
+    rounds: int,
+) -> tuple[str, ...]:
+    """Each client replaces its own records (ids client+1, client+1+32, ...) of its namespace,
+    with fresh text no larger than the old, reading the version it replaces first."""
+    connections = [Connection(url, namespaces[i % len(namespaces)]) for i in range(clients)]
+    writers = [bench._Writer(random.Random(bench.SEED + 7 + i)) for i in range(clients)]
+    keys: dict[int, list[tuple[dict[str, Any], str]]] = {}
+    for client in range(clients):
+        ids = list(range(client // len(namespaces) + 1, 513, 32))
+        found = connections[client].post("/v1/memories/read", {"ids": ids})["memories"]
+        keys[client] = [(record["key"], record["content"]) for record in found]
+
+    def put(client: int, n: int) -> None:
+        mine = keys[client]
+        key, old = mine[n % len(mine)]
+        content = bench.alternate_content(writers[client], old)
+        body = {"content": content, "replacement": key}
+        record = connections[client].post("/v1/memories/put", body)["memory"]
+        mine[n % len(mine)] = (record["key"], content)
+
+    figures = measure(clients, rounds, put)
+    return _row(backend, len(namespaces), "put", clients, figures)
+
+
+def _row(
+    backend: str, namespaces: int, operation: str, clients: int, f: dict[str, float]
+) -> tuple[str, ...]:
+    return (
+        backend,
+        str(namespaces),
+        operation,
+        str(clients),
+        f"{f['p50']:.2f}",
+        f"{f['p95']:.2f}",
+        f"{f['rps']:.0f}",
+    )
+
+
+def bench_anchor(
+    dsn: str, corpora: list[list[str]], queries: list[str], rounds: int
+) -> list[tuple[str, ...]]:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as db:
+        db.execute(
+            "CREATE TABLE docs (namespace TEXT, id BIGINT, content TEXT, tsv tsvector"
+            " GENERATED ALWAYS AS (to_tsvector('simple', content)) STORED)"
+        )
+        with db.cursor() as cursor:
+            cursor.executemany(
+                "INSERT INTO docs (namespace, id, content) VALUES (%s, %s, %s)",
+                [
+                    (f"ns{n}", i, text)
+                    for n, texts in enumerate(corpora)
+                    for i, text in enumerate(texts, 1)
+                ],
+            )
+        db.execute("CREATE INDEX docs_tsv ON docs USING GIN (tsv)")
+        db.execute("ANALYZE docs")
+    terms = [" or ".join(sorted(set(tactmem.tokenize(query)))) or "x" for query in queries]
+    rows = []
+    for clients in CLIENTS:
+        connections = [psycopg.connect(dsn, autocommit=True) for _ in range(clients)]
+
+        def search(client: int, n: int, connections: list[Any] = connections) -> None:
+            connections[client].execute(
+                "SELECT namespace, id FROM docs, websearch_to_tsquery('simple', %s) AS q"
+                " WHERE tsv @@ q ORDER BY ts_rank(tsv, q) DESC, namespace, id LIMIT 5",
+                (terms[(client * 7 + n) % len(terms)],),
+            ).fetchall()
+
+        rows.append(
+            _row("ts_rank", len(corpora), "scan", clients, measure(clients, rounds, search))
+        )
+        for connection in connections:
+            connection.close()
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests per client")
+    arguments = parser.parse_args(argv)
+    rounds = 8 if arguments.quick else 40
+    queries = bench.build_queries(random.Random(bench.SEED))
+    rows: list[tuple[str, ...]] = []
+    base = tempfile.mkdtemp(prefix="tactmem-server-bench-")
+    try:
+        os.chmod(base, 0o755)
+        with cluster(base) as sockets:
+            for count in NAMESPACES:
+                corpora = [bench.build_corpus(random.Random(bench.SEED + n)) for n in range(count)]
+                sqlite = ["--sqlite", os.path.join(base, f"team-{count}.sqlite3")]
+                rows += bench_server("sqlite", sqlite, corpora, queries, rounds)
+                postgres = ["--postgres", create_database(sockets, f"team_{count}")]
+                rows += bench_server("postgres", postgres, corpora, queries, rounds)
+                rows += bench_anchor(
+                    create_database(sockets, f"anchor_{count}"), corpora, queries, rounds
+                )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    header = ("backend", "namespaces", "operation", "clients", "p50 ms", "p95 ms", "req/s")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in sorted(rows, key=lambda r: (int(r[1]), r[2], int(r[3]), r[0])):
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

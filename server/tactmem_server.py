@@ -1,0 +1,1448 @@
+"""Team memory for tactmem: a server that speaks Tact's remote protocol v1, on SQLite or PostgreSQL.
+
+The server is a second shell over tactmem's pure core: the tokenizer, BM25 ranking, previews,
+secret rules, identities, bounds, versions and plans all come from `tactmem`; this module adds
+namespaces, bearer tokens, the HTTP routes and two storage engines. Every operation is one
+transaction: read what the plan needs, ask the core, write exactly the plan.
+
+Requires Python >= 3.11, tactmem, Starlette, uvicorn and psycopg 3 (with psycopg_pool).
+
+Command line::
+
+    tactmem-server (--sqlite FILE | --postgres URL) --credentials FILE [--host HOST] [--port N]
+"""
+
+# tactmem-server is released under the MIT licence, like tactmem.
+# Copyright (c) 2026 the tactmem authors.
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import re
+import socket
+import sqlite3
+import stat
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Final, NamedTuple, NoReturn, Protocol
+
+import anyio
+import anyio.to_thread
+import attrs
+import tactmem
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+from tactmem import Key, Record, TactmemError
+
+__version__ = "0.1.0"
+
+__all__ = ["PostgresEngine", "SqliteEngine", "TeamStore", "create_app", "load_credentials", "main"]
+
+# ============================================================================ constants
+
+PROTOCOL_VERSION: Final = 1
+LIMITS: Final = tactmem.Limits()  # the protocol's bounds, per namespace
+MAX_BODY_BYTES: Final = 2 * 1024 * 1024
+MAX_IN_FLIGHT: Final = 64
+STORE_TIMEOUT_S: Final = 30.0
+MAX_EXPORT_PAGE: Final = 128
+_MAX_I64: Final = 2**63 - 1
+_MAX_U64: Final = 2**64 - 1
+_NAMESPACE: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_TOKEN: Final = re.compile(r"[A-Za-z0-9._~+/=-]{1,4096}")
+_NAMESPACE_HEADER: Final = b"x-tact-memory-namespace"
+_CREDENTIALS_FILE_BYTES: Final = 1 << 20
+_ROLES: Final = ("reader", "writer")
+_RETRIES: Final = 3  # a transaction PostgreSQL aborted for a deadlock is run again this often
+_GRACE_S: Final = 5.0  # past the store timeout, a request stops waiting for a stuck thread
+
+_log = logging.getLogger("tactmem_server")
+
+# ============================================================================ errors
+
+
+class ApiError(Exception):
+    """A protocol failure: an HTTP status and a stable code, the whole body `{"code":"..."}`."""
+
+    def __init__(self, status: int, code: str) -> None:
+        super().__init__(code)
+        self.status = status
+        self.code = code
+
+
+def _bad_request() -> ApiError:
+    return ApiError(400, "bad_request")
+
+
+def _forbidden() -> ApiError:
+    return ApiError(403, "forbidden")
+
+
+# How each of the core's errors travels (the original router's table). Any other error is
+# `internal`, without detail.
+_STORE_ERRORS: Final[Mapping[type[TactmemError], tuple[int, str]]] = {
+    tactmem.EmptyContent: (400, "bad_request"),
+    tactmem.SecretRejected: (400, "bad_request"),
+    tactmem.InvalidRequest: (400, "bad_request"),
+    tactmem.ContentTooLarge: (413, "content_too_large"),
+    tactmem.QueryTooLarge: (413, "query_too_large"),
+    tactmem.RecordCapacity: (507, "record_capacity"),
+    tactmem.ContentCapacity: (507, "content_capacity"),
+    tactmem.DatabaseCapacity: (507, "content_capacity"),
+    tactmem.Duplicate: (409, "duplicate"),
+    tactmem.Conflict: (409, "conflict"),
+    tactmem.NotFound: (404, "not_found"),
+    tactmem.StoreBusy: (503, "unavailable"),
+}
+
+
+def _api_error(error: TactmemError) -> ApiError:
+    for kind in type(error).__mro__:
+        if kind in _STORE_ERRORS:
+            return ApiError(*_STORE_ERRORS[kind])
+    return ApiError(500, "internal")
+
+
+class CredentialsError(Exception):
+    """The credentials file cannot be used; the message never holds a token."""
+
+
+class _Again(Exception):
+    """PostgreSQL aborted the transaction (deadlock, serialization): run it again."""
+
+
+# ============================================================================ wire (pure)
+
+
+class Principal(NamedTuple):
+    namespace: str
+    role: str
+
+
+class WireKey(NamedTuple):
+    """A key as the protocol carries it: `namespace` is None for a local key."""
+
+    namespace: str | None
+    id: int
+    version: int
+
+
+def _valid_namespace(value: object) -> bool:
+    return isinstance(value, str) and _NAMESPACE.fullmatch(value) is not None
+
+
+def _valid_key(key: WireKey) -> bool:
+    return (
+        key.id > 0
+        and key.version > 0
+        and (key.namespace is None or _valid_namespace(key.namespace))
+    )
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose names are all distinct (serde refuses a repeated field)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise ValueError("repeated name")
+    return value
+
+
+def _no_constant(_name: str) -> NoReturn:
+    raise ValueError("NaN and Infinity are not JSON")
+
+
+def _check_texts(value: object) -> None:
+    """Refuse a string holding a lone surrogate: `json` lets one through, UTF-8 cannot carry it."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            item.encode("utf-8")
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+
+
+def decode_json(body: bytes) -> Any:
+    """Parse a request body as strictly as serde_json: UTF-8, no NaN, no repeated names."""
+    try:
+        value = json.loads(
+            body.decode("utf-8"), object_pairs_hook=_unique_object, parse_constant=_no_constant
+        )
+        _check_texts(value)
+    except (ValueError, RecursionError):  # UnicodeError is a ValueError
+        raise _bad_request() from None
+    return value
+
+
+_Decoder = Callable[[object], Any]
+_REQUIRED: Final = object()
+
+
+def _integer(low: int, high: int) -> _Decoder:
+    def decode(value: object) -> int:
+        if type(value) is not int or not low <= value <= high:
+            raise _bad_request()
+        return value
+
+    return decode
+
+
+_i64: Final = _integer(-_MAX_I64 - 1, _MAX_I64)
+_u64: Final = _integer(0, _MAX_U64)
+
+
+def _string(value: object) -> str:
+    if not isinstance(value, str):
+        raise _bad_request()
+    return value
+
+
+def _optional(decode: _Decoder) -> _Decoder:
+    return lambda value: None if value is None else decode(value)
+
+
+def _list_of(decode: _Decoder) -> _Decoder:
+    def decoded(value: object) -> list[Any]:
+        if not isinstance(value, list):
+            raise _bad_request()
+        return [decode(item) for item in value]
+
+    return decoded
+
+
+def _fields(
+    value: object, fields: Mapping[str, tuple[_Decoder, object]], *, closed: bool
+) -> dict[str, Any]:
+    """Decode an object field by field; a closed one refuses unknown names (deny_unknown_fields)."""
+    if not isinstance(value, dict) or (closed and value.keys() - fields.keys()):
+        raise _bad_request()
+    decoded = {}
+    for name, (decode, default) in fields.items():
+        if name in value:
+            decoded[name] = decode(value[name])
+        elif default is _REQUIRED:
+            raise _bad_request()
+        else:
+            decoded[name] = default
+    return decoded
+
+
+def _key(value: object) -> WireKey:
+    fields = _fields(value, _KEY_FIELDS, closed=False)
+    return WireKey(fields["namespace"], fields["id"], fields["version"])
+
+
+def _record(value: object) -> tuple[WireKey, Record]:
+    fields = _fields(value, _RECORD_FIELDS, closed=False)
+    key = fields.pop("key")
+    return key, Record(Key(key.id, key.version), **fields)
+
+
+def _cursor(value: object) -> tuple[str, int]:
+    fields = _fields(
+        value, {"namespace": (_string, _REQUIRED), "id": (_i64, _REQUIRED)}, closed=True
+    )
+    return fields["namespace"], fields["id"]
+
+
+_KEY_FIELDS: Final = {
+    "id": (_i64, _REQUIRED), "version": (_u64, _REQUIRED), "namespace": (_optional(_string), None),
+}  # fmt: skip
+_RECORD_FIELDS: Final = {
+    "key": (_key, _REQUIRED), "content": (_string, _REQUIRED),
+    "created_at_ms": (_i64, _REQUIRED), "updated_at_ms": (_i64, _REQUIRED),
+    "last_scanned_at_ms": (_optional(_i64), None), "scan_count": (_u64, _REQUIRED),
+    "last_used_at_ms": (_optional(_i64), None), "use_count": (_u64, _REQUIRED),
+    "probation_until_ms": (_optional(_i64), None),
+}  # fmt: skip
+_usize: Final = _u64
+_REQUESTS: Final[Mapping[str, Mapping[str, tuple[_Decoder, object]]]] = {
+    "scan": {"query": (_string, _REQUIRED), "limit": (_usize, _REQUIRED)},
+    "read": {"ids": (_list_of(_i64), []), "keys": (_list_of(_key), [])},
+    "put": {"content": (_string, _REQUIRED), "replacement": (_optional(_key), None)},
+    "delete": {"key": (_key, _REQUIRED)},
+    "sync": {"memories": (_list_of(_record), _REQUIRED)},
+    "export": {
+        "namespaces": (_optional(_list_of(_string)), None),
+        "cursor": (_optional(_cursor), None),
+        "limit": (_usize, _REQUIRED),
+    },
+}
+
+
+def wire_key(namespace: str, key: Key) -> dict[str, Any]:
+    return {"id": key.id, "version": key.version, "namespace": namespace}
+
+
+def wire_record(namespace: str, record: Record) -> dict[str, Any]:
+    fields = attrs.asdict(record, recurse=False)
+    return {**fields, "key": wire_key(namespace, record.key)}
+
+
+def _body(value: object) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+# ============================================================================ rules (pure)
+# What the protocol adds to the core's rules: request checks in the original router's order,
+# one combined corpus over every namespace, and the sync snapshot's plan.
+
+_Principals = Mapping[bytes, Principal]
+
+
+def _token_hash(token: str) -> bytes:
+    return hashlib.sha256(token.encode("ascii")).digest()
+
+
+def authenticate(principals: _Principals, headers: Mapping[bytes, bytes]) -> Principal:
+    """The caller: `Authorization: Bearer <token>` of a known token (401 otherwise), and the
+    namespace header naming that token's namespace (403 `namespace_mismatch` otherwise)."""
+    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    try:
+        text = token.decode("ascii")
+    except UnicodeDecodeError:
+        raise ApiError(401, "unauthorized") from None
+    if scheme.lower() != b"bearer" or _TOKEN.fullmatch(text) is None:
+        raise ApiError(401, "unauthorized")
+    principal = principals.get(_token_hash(text))
+    if principal is None:
+        raise ApiError(401, "unauthorized")
+    if headers.get(_NAMESPACE_HEADER) != principal.namespace.encode("ascii"):
+        raise ApiError(403, "namespace_mismatch")
+    return principal
+
+
+def _doc_id(namespace: str, doc_id: int) -> int:
+    """One integer per `(namespace, id)` that orders as the pair does (namespaces by bytes),
+    so the core's corpus, which breaks ties by id, breaks them by namespace, then id."""
+    prefix = int.from_bytes(namespace.encode("ascii").ljust(128, b"\0"), "big")
+    return prefix << 64 | doc_id
+
+
+def _doc_key(doc_id: int) -> tuple[str, int]:
+    prefix = (doc_id >> 64).to_bytes(128, "big").rstrip(b"\0")
+    return prefix.decode("ascii"), doc_id & _MAX_U64
+
+
+def check_scan(payload: Mapping[str, Any]) -> tuple[list[str], int]:
+    query, limit = payload["query"], payload["limit"]
+    if len(query.encode("utf-8")) > LIMITS.query_bytes:
+        raise ApiError(413, "query_too_large")
+    if not 1 <= limit <= LIMITS.scan_results:
+        raise _bad_request()
+    return tactmem._scan_terms(query, LIMITS), limit
+
+
+def check_read(payload: Mapping[str, Any], namespace: str) -> list[WireKey]:
+    """What a read looks up, in the original's order (versioned keys, then the caller's own
+    ids), each `(namespace, id)` once; local-shaped keys and unmatchable versions name nothing."""
+    ids, keys = payload["ids"], payload["keys"]
+    if len(ids) + len(keys) > LIMITS.records or any(doc_id <= 0 for doc_id in ids):
+        raise _bad_request()
+    if not all(map(_valid_key, keys)):
+        raise _bad_request()
+    wanted = [key for key in keys if key.namespace is not None and key.version <= _MAX_I64]
+    wanted += [WireKey(namespace, doc_id, 0) for doc_id in ids]  # version 0: any version
+    first: dict[tuple[str | None, int], WireKey] = {}
+    for key in wanted:
+        first.setdefault((key.namespace, key.id), key)
+    return list(first.values())
+
+
+def check_put(payload: Mapping[str, Any], namespace: str, now_ms: int) -> tactmem._Put:
+    """The original router's order: empty (400), too large (413), a replacement that is not
+    the caller's (403), then the store's refusals: a secret or a NUL character (400)."""
+    content, replacement = payload["content"], payload["replacement"]
+    key = None if replacement is None else Key(replacement.id, replacement.version)
+    try:
+        put, refused = tactmem._check_put(content, key, LIMITS, now_ms), False
+    except tactmem.SecretRejected:
+        put, refused = None, True
+    if replacement is not None and (
+        not _valid_key(replacement) or replacement.namespace != namespace
+    ):
+        raise _forbidden()
+    if refused or put is None or "\0" in content:
+        raise _bad_request()  # PostgreSQL text cannot hold NUL: no backend stores it
+    return put
+
+
+def check_delete(payload: Mapping[str, Any], namespace: str) -> Key:
+    key: WireKey = payload["key"]
+    if not _valid_key(key) or key.namespace != namespace:
+        raise _forbidden()
+    return Key(key.id, key.version)
+
+
+def check_sync(payload: Mapping[str, Any], now_ms: int) -> list[tuple[Record, str]]:
+    """A snapshot the router admits (400 otherwise: local keys, distinct ids, content within
+    bounds, sane times), then the store's checks: counters that fit (409 conflict), content
+    the core would store (400), one record per identity (409 duplicate). Each record with
+    its identity."""
+    snapshot: list[tuple[WireKey, Record]] = payload["memories"]
+    sizes = [len(record.content.encode("utf-8")) for _, record in snapshot]
+    if (
+        len(snapshot) > LIMITS.records
+        or len({key.id for key, _ in snapshot}) != len(snapshot)
+        or sum(sizes) > LIMITS.total_content_bytes
+        or not all(_admitted(key, record) for key, record in snapshot)
+    ):
+        raise _bad_request()
+    checked, identities = [], set()
+    for _, record in snapshot:
+        if max(record.key.version, record.scan_count, record.use_count) > _MAX_I64:
+            raise tactmem.Conflict()
+        identity = tactmem._check_put(record.content, None, LIMITS, now_ms).identity
+        if "\0" in record.content:
+            raise _bad_request()
+        if identity in identities:
+            raise tactmem.Duplicate()
+        identities.add(identity)
+        checked.append((record, identity))
+    return checked
+
+
+def _admitted(key: WireKey, record: Record) -> bool:
+    """A snapshot record the router takes: a valid local key, content that is not blank and
+    fits one record, and `0 <= created_at_ms <= updated_at_ms`."""
+    content = record.content
+    return (
+        key.namespace is None
+        and _valid_key(key)
+        and content != ""
+        and tactmem._WS_RUN.fullmatch(content) is None
+        and len(content.encode("utf-8")) <= LIMITS.content_bytes
+        and 0 <= record.created_at_ms <= record.updated_at_ms
+    )
+
+
+def check_export(
+    payload: Mapping[str, Any],
+) -> tuple[list[str] | None, tuple[str, int] | None, int]:
+    namespaces, cursor, limit = payload["namespaces"], payload["cursor"], payload["limit"]
+    if not 1 <= limit <= MAX_EXPORT_PAGE:
+        raise _bad_request()
+    if namespaces is not None and (
+        not namespaces
+        or len(namespaces) > LIMITS.records
+        or not all(map(_valid_namespace, namespaces))
+    ):
+        raise _bad_request()
+    if cursor is not None and (not _valid_namespace(cursor[0]) or cursor[1] <= 0):
+        raise _bad_request()
+    return namespaces, cursor, limit
+
+
+def plan_put(put: tactmem._Put, state: tactmem._PutState) -> tactmem._PutPlan:
+    """The core's put plan, in the protocol's order of refusals: a replace whose content
+    another row holds is `duplicate` before `not_found` or `conflict` (the original classifies
+    a failed write as duplicate, not found, conflict, capacity); an insert's order is the core's."""
+    if put.replace is not None and state.duplicate_of not in (None, put.replace.id):
+        raise tactmem.Duplicate()
+    return tactmem._plan_put(put, state, LIMITS)
+
+
+def plan_sync(previous: Mapping[int, Record], snapshot: Sequence[Record]) -> dict[str, int]:
+    """The sync report: each snapshot record inserted, replaced or unchanged (full equality,
+    telemetry included) against the namespace's rows, and the rows it leaves out deleted."""
+    report = {"inserted": 0, "replaced": 0, "unchanged": 0, "deleted": 0}
+    for record in snapshot:
+        old = previous.get(record.key.id)
+        report["inserted" if old is None else "unchanged" if old == record else "replaced"] += 1
+    report["deleted"] = len(previous.keys() - {record.key.id for record in snapshot})
+    return report
+
+
+# ============================================================================ storage (I/O)
+
+
+class _Tx(Protocol):
+    """One open transaction of an engine; statements use `?` placeholders."""
+
+    def rows(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]: ...
+    def run(self, sql: str, params: Sequence[object] = ()) -> None: ...
+    def many(self, sql: str, params: Iterable[Sequence[object]]) -> None: ...
+
+
+class _Engine(Protocol):
+    bytes_sql: str  # the UTF-8 length of `content`
+    lock_sql: str  # appended to a SELECT that locks its rows until commit
+
+    def transaction(self, deadline: float) -> contextlib.AbstractContextManager[_Tx]: ...
+    def check(self, deadline: float) -> None: ...
+    def close(self) -> None: ...
+
+
+_SCHEMA: Final = (
+    """CREATE TABLE IF NOT EXISTS memory_namespaces (
+        namespace {ns} NOT NULL PRIMARY KEY,
+        next_id {int} NOT NULL DEFAULT 1 CHECK (next_id > 0),
+        changes {int} NOT NULL DEFAULT 0
+    ){strict}""",
+    """CREATE TABLE IF NOT EXISTS memories (
+        namespace {ns} NOT NULL REFERENCES memory_namespaces (namespace),
+        id {int} NOT NULL CHECK (id > 0),
+        version {int} NOT NULL CHECK (version > 0),
+        content TEXT NOT NULL,
+        identity TEXT NOT NULL,
+        created_at_ms {int} NOT NULL,
+        updated_at_ms {int} NOT NULL,
+        last_scanned_at_ms {int},
+        scan_count {int} NOT NULL DEFAULT 0 CHECK (scan_count >= 0),
+        last_used_at_ms {int},
+        use_count {int} NOT NULL DEFAULT 0 CHECK (use_count >= 0),
+        probation_until_ms {int},
+        PRIMARY KEY (namespace, id),
+        UNIQUE (namespace, identity)
+    ){strict}""",
+    "CREATE INDEX IF NOT EXISTS memories_probation ON memories (probation_until_ms)"
+    " WHERE probation_until_ms IS NOT NULL",
+)
+_COLUMNS: Final = (
+    "namespace, id, version, content, created_at_ms, updated_at_ms, last_scanned_at_ms,"
+    " scan_count, last_used_at_ms, use_count, probation_until_ms"
+)
+_INSERT: Final = (
+    "INSERT INTO memories (namespace, id, version, content, identity, created_at_ms,"
+    " updated_at_ms, last_scanned_at_ms, scan_count, last_used_at_ms, use_count,"
+    " probation_until_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_UPDATE: Final = (
+    "UPDATE memories SET version = ?, content = ?, identity = ?, created_at_ms = ?,"
+    " updated_at_ms = ?, last_scanned_at_ms = ?, scan_count = ?, last_used_at_ms = ?,"
+    " use_count = ?, probation_until_ms = ? WHERE namespace = ? AND id = ?"
+)
+_CAPPED: Final = "CASE WHEN {0} < 9223372036854775807 THEN {0} + 1 ELSE {0} END"
+
+
+def _marks(count: int) -> str:
+    return ", ".join("?" * count)
+
+
+def _namespaced(row: Sequence[Any]) -> tuple[str, Record]:
+    return row[0], Record.from_row(row[1:])
+
+
+def _deadline_left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise tactmem.StoreBusy()
+    return left
+
+
+class _SqliteTx:
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self.connection = connection
+
+    def rows(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        return self.connection.execute(sql, params).fetchall()
+
+    def run(self, sql: str, params: Sequence[object] = ()) -> None:
+        self.connection.execute(sql, params)
+
+    def many(self, sql: str, params: Iterable[Sequence[object]]) -> None:
+        self.connection.executemany(sql, params)
+
+
+class SqliteEngine:
+    """One SQLite file: every transaction `BEGIN IMMEDIATE`, so the whole file is the lock
+    (several server processes may share the file). WAL with full sync: a committed write
+    survives a crash of the process or the machine."""
+
+    bytes_sql = "length(CAST(content AS BLOB))"
+    lock_sql = ""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(os.path.expanduser(path))
+        self._lock = threading.Lock()
+        tactmem._prepare_file(self.path)  # 0600 in 0700 directories
+        try:
+            connection = tactmem._open(
+                self.path, tactmem.Limits(), isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as error:
+            raise tactmem._storage_error(error) from None
+        self._connection = connection
+        try:
+            connection.execute("PRAGMA journal_mode = WAL")
+            connection.execute("PRAGMA synchronous = FULL")
+            connection.execute("PRAGMA secure_delete = ON")
+            connection.execute("PRAGMA foreign_keys = ON")
+            with self.transaction(time.monotonic() + STORE_TIMEOUT_S) as tx:
+                self._check_schema(tx)
+                for statement in _SCHEMA:
+                    tx.run(statement.format(ns="TEXT", int="INTEGER", strict=" STRICT"))
+        except BaseException:
+            connection.close()
+            raise
+
+    @staticmethod
+    def _check_schema(tx: _Tx) -> None:
+        tables = {
+            name for (name,) in tx.rows("SELECT name FROM sqlite_schema WHERE type = 'table'")
+        }
+        if tables - {"memories", "memory_namespaces"} or tables == {"memories"}:
+            raise tactmem.StorageError("the file is not a tactmem-server database")
+
+    @contextlib.contextmanager
+    def transaction(self, deadline: float) -> Iterator[_Tx]:
+        if not self._lock.acquire(timeout=_deadline_left(deadline)):
+            raise tactmem.StoreBusy()
+        try:
+            connection = self._connection
+            self._begin(connection, deadline)
+            try:
+                yield _SqliteTx(connection)
+                connection.execute("COMMIT")
+            except BaseException:
+                if connection.in_transaction:
+                    connection.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as error:
+            raise tactmem._storage_error(error) from None
+        finally:
+            self._lock.release()
+
+    @staticmethod
+    def _begin(connection: sqlite3.Connection, deadline: float) -> None:
+        """`BEGIN IMMEDIATE`, polling every millisecond until the deadline (see tactmem's
+        `_begin_immediate`: SQLite's own busy handler starves a waiting writer)."""
+        connection.execute("PRAGMA busy_timeout = 0")
+        while True:
+            try:
+                connection.execute("BEGIN IMMEDIATE")
+                break
+            except sqlite3.OperationalError as error:
+                busy = getattr(error, "sqlite_errorname", "").startswith("SQLITE_BUSY")
+                if not busy or time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.001)
+        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        connection.execute(f"PRAGMA busy_timeout = {left_ms}")
+
+    def check(self, deadline: float) -> None:
+        with self.transaction(deadline) as tx:
+            tx.rows("SELECT 1")
+
+    def close(self) -> None:
+        with self._lock:
+            self._connection.close()
+
+
+class _PostgresTx:
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    def rows(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        rows: list[tuple[Any, ...]] = self.connection.execute(
+            sql.replace("?", "%s"), params
+        ).fetchall()
+        return rows
+
+    def run(self, sql: str, params: Sequence[object] = ()) -> None:
+        self.connection.execute(sql.replace("?", "%s"), params)
+
+    def many(self, sql: str, params: Iterable[Sequence[object]]) -> None:
+        with self.connection.cursor() as cursor:
+            cursor.executemany(sql.replace("?", "%s"), list(params))
+
+
+class PostgresEngine:
+    """A PostgreSQL database through a connection pool. READ COMMITTED transactions; every
+    mutation locks its namespace's row (`FOR UPDATE`), which serializes the namespace's
+    writers across all server processes; deadlocks are retried. Each transaction carries the
+    request's deadline as its statement and lock timeouts, so a request that answers 503
+    never commits afterwards."""
+
+    bytes_sql = "octet_length(content)"
+    lock_sql = " FOR UPDATE"
+
+    def __init__(self, url: str, *, pool_size: int = 16) -> None:
+        import psycopg
+        import psycopg_pool
+
+        self._psycopg = psycopg
+        self._pool_timeout = psycopg_pool.PoolTimeout
+        self._pool = psycopg_pool.ConnectionPool(
+            url, min_size=1, max_size=pool_size, kwargs={"autocommit": True}, open=False,
+            check=psycopg_pool.ConnectionPool.check_connection,  # after a restart, reconnect
+        )  # fmt: skip
+        try:
+            self._pool.open(wait=True, timeout=10)
+        except (psycopg.Error, psycopg_pool.PoolTimeout):
+            self._pool.close()
+            raise tactmem.StorageError("could not connect to PostgreSQL") from None
+        try:
+            with self.transaction(time.monotonic() + STORE_TIMEOUT_S) as tx:
+                (encoding,) = tx.rows("SHOW server_encoding")[0]
+                if encoding != "UTF8":
+                    raise tactmem.StorageError("the PostgreSQL database must use UTF8 encoding")
+                tx.run("SELECT pg_advisory_xact_lock(7406158229)")  # one schema writer at a time
+                for statement in _SCHEMA:
+                    tx.run(statement.format(ns='TEXT COLLATE "C"', int="BIGINT", strict=""))
+        except BaseException:
+            self._pool.close()
+            raise
+
+    @contextlib.contextmanager
+    def transaction(self, deadline: float) -> Iterator[_Tx]:
+        errors = self._psycopg.errors
+        try:
+            pooled = self._pool.connection(timeout=_deadline_left(deadline))
+            with pooled as connection, connection.transaction():
+                left = f"{max(1, int(_deadline_left(deadline) * 1000))}ms"
+                connection.execute(
+                    "SELECT set_config('statement_timeout', %s, true),"
+                    " set_config('lock_timeout', %s, true)",
+                    (left, left),
+                )
+                yield _PostgresTx(connection)
+                _deadline_left(deadline)  # past it, roll back: the caller was told 503
+        except (errors.DeadlockDetected, errors.SerializationFailure):
+            raise _Again() from None
+        except (errors.QueryCanceled, errors.LockNotAvailable, self._pool_timeout):
+            raise tactmem.StoreBusy() from None
+        except self._psycopg.OperationalError:
+            raise tactmem.StoreBusy() from None
+        except self._psycopg.Error:
+            raise tactmem.StorageError("PostgreSQL operation failed") from None
+
+    def check(self, deadline: float) -> None:
+        with self.transaction(deadline) as tx:
+            tx.rows("SELECT 1")
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+class TeamStore:
+    """Every namespace of one team on one engine, the operations of protocol v1. Each runs as
+    one transaction over the core's rules; token statistics of the combined corpus are kept per
+    process and refreshed only for namespaces whose change counter moved."""
+
+    def __init__(self, engine: _Engine) -> None:
+        self.engine = engine
+        self._corpus = tactmem._Corpus()
+        self._corpus_lock = threading.Lock()
+        self._seen: dict[str, int] = {}  # namespace -> change counter the cache holds
+        self._rows: dict[str, list[tuple[int, int, object]]] = {}
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def _run(
+        self,
+        deadline: float,
+        operation: Callable[[_Tx], Any],
+        failed: Callable[[], None] = lambda: None,
+    ) -> Any:
+        """`operation` in one transaction, again after a deadlock; `failed` after each failure."""
+        for attempt in itertools.count(1):
+            try:
+                with self.engine.transaction(deadline) as tx:
+                    return operation(tx)
+            except _Again:
+                failed()
+                if attempt == _RETRIES:
+                    raise tactmem.StoreBusy() from None
+            except BaseException:
+                failed()
+                raise
+        raise AssertionError("unreachable")
+
+    # -------------------------------------------------------------------- locks and prune
+
+    def _lock(self, tx: _Tx, namespaces: Iterable[str]) -> dict[str, int]:
+        """Lock these namespaces' rows in byte order (so two transactions cannot deadlock on
+        them); their `next_id`s."""
+        names = sorted(set(namespaces))
+        if not names:
+            return {}
+        rows = tx.rows(
+            "SELECT namespace, next_id FROM memory_namespaces"
+            f" WHERE namespace IN ({_marks(len(names))}) ORDER BY namespace{self.engine.lock_sql}",
+            names,
+        )
+        return dict(rows)
+
+    def _prune(self, tx: _Tx, now_ms: int, own: str | None = None) -> dict[str, int]:
+        """Drop what `_expired` names, in every namespace (locking those it touches, and `own`,
+        which is created if new); the locked namespaces' `next_id`s."""
+        if own is not None:
+            tx.run(
+                "INSERT INTO memory_namespaces (namespace) VALUES (?) ON CONFLICT DO NOTHING", [own]
+            )
+        due = (
+            "SELECT namespace, id, use_count, probation_until_ms FROM memories"
+            " WHERE probation_until_ms <= ?"
+        )
+        found = {
+            ns
+            for ns, _, uses, until in tx.rows(due, [now_ms])
+            if tactmem._expired(uses, until, now_ms)
+        }
+        locked = self._lock(tx, found | ({own} if own else set()))
+        if (
+            found
+        ):  # read again under the locks, each row locked: a read may have ended its probation
+            rows = tx.rows(
+                f"{due} AND namespace IN ({_marks(len(found))}){self.engine.lock_sql}",
+                [now_ms, *found],
+            )
+            expired = [
+                (ns, i) for ns, i, uses, until in rows if tactmem._expired(uses, until, now_ms)
+            ]
+            tx.many("DELETE FROM memories WHERE namespace = ? AND id = ?", expired)
+            self._changed(tx, {ns for ns, _ in expired})
+        return locked
+
+    @staticmethod
+    def _changed(tx: _Tx, namespaces: Iterable[str]) -> None:
+        tx.many(
+            "UPDATE memory_namespaces SET changes = changes + 1 WHERE namespace = ?",
+            [(ns,) for ns in namespaces],
+        )
+
+    # -------------------------------------------------------------------- operations
+
+    def scan(
+        self, terms: Sequence[str], limit: int, now_ms: int, deadline: float
+    ) -> list[dict[str, Any]]:
+        def operation(tx: _Tx) -> list[dict[str, Any]]:
+            self._prune(tx, now_ms)
+            with self._corpus_lock:
+                self._refresh(tx)
+                plan = tactmem._plan_scan(self._corpus, terms, limit, LIMITS)
+            cards = [(_doc_key(card.key.id), card) for card in plan.result.candidates]
+            tx.many(
+                "UPDATE memories SET last_scanned_at_ms = ?,"
+                f" scan_count = {_CAPPED.format('scan_count')}"
+                " WHERE namespace = ? AND id = ? AND version = ?",
+                [(now_ms, ns, doc_id, card.key.version) for (ns, doc_id), card in cards],
+            )
+            return [
+                {
+                    "key": wire_key(ns, Key(doc_id, card.key.version)),
+                    "preview": card.preview,
+                    "score": card.score,
+                }
+                for (ns, doc_id), card in cards
+            ]
+
+        result: list[dict[str, Any]] = self._run(deadline, operation, self._forget)
+        return result
+
+    def _forget(self) -> None:
+        """After a failed scan: its prune may be in the cache, but was never committed."""
+        with self._corpus_lock:
+            self._seen.clear()
+
+    def _refresh(self, tx: _Tx) -> None:
+        """Bring the combined corpus up to date, fetching only namespaces whose counter moved."""
+        counters = dict(tx.rows("SELECT namespace, changes FROM memory_namespaces"))
+        stale = [ns for ns, changes in counters.items() if self._seen.get(ns) != changes]
+        for ns in stale:
+            rows = tx.rows("SELECT id, version, content FROM memories WHERE namespace = ?", [ns])
+            self._rows[ns] = [
+                (_doc_id(ns, doc_id), version, content) for doc_id, version, content in rows
+            ]
+        for ns in self._rows.keys() - counters.keys():
+            del self._rows[ns]
+        if stale or len(self._seen) != len(counters):
+            self._corpus.update(list(itertools.chain.from_iterable(self._rows.values())))
+        self._seen = counters
+
+    def read(self, wanted: Sequence[WireKey], now_ms: int, deadline: float) -> list[dict[str, Any]]:
+        def operation(tx: _Tx) -> list[dict[str, Any]]:
+            self._prune(tx, now_ms)
+            by_namespace: dict[str, list[WireKey]] = {}
+            for key in wanted:
+                by_namespace.setdefault(str(key.namespace), []).append(key)
+            found: dict[tuple[str | None, int], Record] = {}
+            for ns, keys in by_namespace.items():
+                versions = {key.id: key.version for key in keys}
+                rows = tx.rows(
+                    f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?"
+                    f" AND id IN ({_marks(len(keys))}) ORDER BY id{self.engine.lock_sql}",
+                    [ns, *versions],
+                )
+                current = [
+                    r for _, r in map(_namespaced, rows) if versions[r.key.id] in (0, r.key.version)
+                ]
+                for record in tactmem._plan_read(list(versions), current, now_ms):
+                    found[ns, record.key.id] = record
+            records = [
+                (str(key.namespace), found[str(key.namespace), key.id])
+                for key in wanted
+                if (str(key.namespace), key.id) in found
+            ]
+            tx.many(
+                "UPDATE memories SET last_used_at_ms = ?, use_count = ?, probation_until_ms = ?"
+                " WHERE namespace = ? AND id = ?",
+                [
+                    (r.last_used_at_ms, r.use_count, r.probation_until_ms, ns, r.key.id)
+                    for ns, r in records
+                ],
+            )
+            return [wire_record(ns, record) for ns, record in records]
+
+        result: list[dict[str, Any]] = self._run(deadline, operation)
+        return result
+
+    def list(self, now_ms: int, deadline: float) -> list[dict[str, Any]]:
+        def operation(tx: _Tx) -> list[dict[str, Any]]:
+            self._prune(tx, now_ms)
+            rows = tx.rows(
+                f"SELECT {_COLUMNS} FROM memories ORDER BY namespace, id LIMIT {LIMITS.records}"
+            )
+            return [wire_record(ns, r) for ns, r in map(_namespaced, rows) if tactmem._shown(r)]
+
+        result: list[dict[str, Any]] = self._run(deadline, operation)
+        return result
+
+    def put(self, namespace: str, put: tactmem._Put, deadline: float) -> dict[str, Any]:
+        def operation(tx: _Tx) -> dict[str, Any]:
+            next_id = self._prune(tx, put.now_ms, namespace)[namespace]
+            rows, size, top = tx.rows(
+                f"SELECT COUNT(*), COALESCE(SUM({self.engine.bytes_sql}), 0), COALESCE(MAX(id), 0)"
+                " FROM memories WHERE namespace = ?",
+                [namespace],
+            )[0]
+            same = tx.rows(
+                "SELECT id FROM memories WHERE namespace = ? AND identity = ?",
+                [namespace, put.identity],
+            )
+            target = put.replace is not None and tx.rows(
+                f"SELECT version, {self.engine.bytes_sql}, created_at_ms FROM memories"
+                " WHERE namespace = ? AND id = ?",
+                [namespace, put.replace.id],
+            )
+            state = tactmem._PutState(
+                int(rows), int(size), max(next_id, int(top) + 1), same[0][0] if same else None,
+                *(target[0] if target else (None, 0, 0)),
+            )  # fmt: skip
+            plan = plan_put(put, state)
+            new = plan.record
+            values = attrs.astuple(new, recurse=False)[2:]  # times, then telemetry
+            if plan.insert:
+                tx.run(
+                    _INSERT,
+                    [namespace, new.key.id, new.key.version, new.content, put.identity, *values],
+                )
+                tx.run(
+                    "UPDATE memory_namespaces SET next_id = ? WHERE namespace = ?",
+                    [new.key.id + 1, namespace],
+                )
+            else:
+                tx.run(
+                    _UPDATE,
+                    [new.key.version, new.content, put.identity, *values, namespace, new.key.id],
+                )
+            self._changed(tx, [namespace])
+            return wire_record(namespace, new)
+
+        result: dict[str, Any] = self._run(deadline, operation)
+        return result
+
+    def delete(self, namespace: str, key: Key, deadline: float) -> None:
+        """Remove the row at `key` if its version still matches; an absent row is no error
+        (the protocol's rule, where the local store says `not_found`). Never prunes."""
+
+        def operation(tx: _Tx) -> None:
+            tx.run(
+                "INSERT INTO memory_namespaces (namespace) VALUES (?) ON CONFLICT DO NOTHING",
+                [namespace],
+            )
+            self._lock(tx, [namespace])
+            rows = tx.rows(
+                "SELECT version FROM memories WHERE namespace = ? AND id = ?", [namespace, key.id]
+            )
+            if rows:
+                tactmem._check_version(key, rows[0][0])
+                tx.run("DELETE FROM memories WHERE namespace = ? AND id = ?", [namespace, key.id])
+                self._changed(tx, [namespace])
+
+        self._run(deadline, operation)
+
+    def sync(
+        self, namespace: str, snapshot: Sequence[tuple[Record, str]], now_ms: int, deadline: float
+    ) -> dict[str, int]:
+        def operation(tx: _Tx) -> dict[str, int]:
+            next_id = self._prune(tx, now_ms, namespace)[namespace]
+            rows = tx.rows(f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?", [namespace])
+            previous = {r.key.id: r for _, r in map(_namespaced, rows)}
+            report = plan_sync(previous, [record for record, _ in snapshot])
+            tx.run("DELETE FROM memories WHERE namespace = ?", [namespace])
+            tx.many(
+                _INSERT,
+                [
+                    (
+                        namespace,
+                        r.key.id,
+                        r.key.version,
+                        r.content,
+                        identity,
+                        *attrs.astuple(r, recurse=False)[2:],
+                    )
+                    for r, identity in snapshot
+                ],
+            )
+            top = max((record.key.id for record, _ in snapshot), default=0)
+            tx.run(
+                "UPDATE memory_namespaces SET next_id = ? WHERE namespace = ?",
+                [max(next_id, top + 1), namespace],
+            )
+            self._changed(tx, [namespace])
+            return report
+
+        result: dict[str, int] = self._run(deadline, operation)
+        return result
+
+    def export(
+        self,
+        namespaces: Sequence[str] | None,
+        cursor: tuple[str, int] | None,
+        limit: int,
+        now_ms: int,
+        deadline: float,
+    ) -> dict[str, Any]:
+        """One page in `(namespace, id)` order, numeric ids, strictly after the cursor; the next
+        cursor only when a record follows (one more row is fetched to know)."""
+
+        def operation(tx: _Tx) -> dict[str, Any]:
+            self._prune(tx, now_ms)
+            where: list[str] = ["1 = 1"]
+            params: list[object] = []
+            if namespaces is not None:
+                where.append(f"namespace IN ({_marks(len(namespaces))})")
+                params += namespaces
+            if cursor is not None:
+                where.append("(namespace > ? OR (namespace = ? AND id > ?))")
+                params += [cursor[0], cursor[0], cursor[1]]
+            rows = tx.rows(
+                f"SELECT {_COLUMNS} FROM memories WHERE {' AND '.join(where)}"
+                f" ORDER BY namespace, id LIMIT {limit + 1}",
+                params,
+            )
+            page = list(map(_namespaced, rows[:limit]))
+            last = (
+                {"namespace": page[-1][0], "id": page[-1][1].key.id} if len(rows) > limit else None
+            )
+            return {"memories": [wire_record(ns, r) for ns, r in page], "next_cursor": last}
+
+        result: dict[str, Any] = self._run(deadline, operation)
+        return result
+
+
+# ============================================================================ credentials (I/O)
+
+
+def load_credentials(path: str) -> dict[bytes, Principal]:
+    """Read `[[credentials]]` tables of `namespace`, `role` and `token` (the original's shape).
+    Only SHA-256 hashes of the tokens are kept. The file must be private (no group or other
+    access); several tokens may name one namespace (rotation); a repeated token is refused."""
+    try:
+        with open(path, "rb") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            data = file.read(_CREDENTIALS_FILE_BYTES + 1)
+    except OSError:
+        raise CredentialsError("could not read the credentials file") from None
+    if not stat.S_ISREG(mode) or mode & 0o077:
+        raise CredentialsError("the credentials file must be a regular file of mode 0600 or 0400")
+    if len(data) > _CREDENTIALS_FILE_BYTES:
+        raise CredentialsError("the credentials file is larger than 1 MiB")
+    try:
+        document = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+        raise CredentialsError("the credentials file is not valid TOML") from None
+    entries = document.get("credentials")
+    if set(document) != {"credentials"} or not isinstance(entries, list) or not entries:
+        raise CredentialsError("the credentials file needs [[credentials]] tables and nothing else")
+    principals: dict[bytes, Principal] = {}
+    for number, entry in enumerate(entries, 1):
+        if not isinstance(entry, dict) or set(entry) != {"namespace", "role", "token"}:
+            raise CredentialsError(f"credential {number} needs exactly namespace, role and token")
+        token = entry["token"]
+        if not _valid_namespace(entry["namespace"]):
+            raise CredentialsError(f"credential {number} has an invalid namespace")
+        if entry["role"] not in _ROLES:
+            raise CredentialsError(f"credential {number} has a role other than reader or writer")
+        if not isinstance(token, str) or _TOKEN.fullmatch(token) is None:
+            raise CredentialsError(f"credential {number} has an invalid bearer token")
+        digest = _token_hash(token)
+        if digest in principals:
+            raise CredentialsError(f"credential {number} repeats the bearer token of another")
+        principals[digest] = Principal(entry["namespace"], entry["role"])
+    return principals
+
+
+# ============================================================================ HTTP (I/O)
+
+
+class _Operation(NamedTuple):
+    """One route: who may call it, whether it reads a JSON body, and what it does (run in a
+    worker thread with the request's deadline)."""
+
+    method: str
+    writer: bool
+    body: str | None  # the request shape in `_REQUESTS`
+    run: Callable[[TeamStore, Principal, Any, float], tuple[Any, dict[str, int]]]
+
+
+def _now() -> int:
+    return tactmem._now_ms()
+
+
+def _scan(
+    store: TeamStore, _p: Principal, payload: Any, deadline: float
+) -> tuple[Any, dict[str, int]]:
+    terms, limit = check_scan(payload)
+    cards = store.scan(terms, limit, _now(), deadline)
+    return {"candidates": cards}, {"candidate_count": len(cards)}
+
+
+def _read(
+    store: TeamStore, p: Principal, payload: Any, deadline: float
+) -> tuple[Any, dict[str, int]]:
+    memories = store.read(check_read(payload, p.namespace), _now(), deadline)
+    return {"memories": memories}, {"record_count": len(memories)}
+
+
+def _list(
+    store: TeamStore, _p: Principal, _payload: Any, deadline: float
+) -> tuple[Any, dict[str, int]]:
+    memories = store.list(_now(), deadline)
+    return {"memories": memories}, {"record_count": len(memories)}
+
+
+def _put(
+    store: TeamStore, p: Principal, payload: Any, deadline: float
+) -> tuple[Any, dict[str, int]]:
+    memory = store.put(p.namespace, check_put(payload, p.namespace, _now()), deadline)
+    return {"memory": memory}, {"record_count": 1}
+
+
+def _delete(
+    store: TeamStore, p: Principal, payload: Any, deadline: float
+) -> tuple[Any, dict[str, int]]:
+    store.delete(p.namespace, check_delete(payload, p.namespace), deadline)
+    return {}, {"record_count": 1}
+
+
+def _sync(
+    store: TeamStore, p: Principal, payload: Any, deadline: float
+) -> tuple[Any, dict[str, int]]:
+    now = _now()
+    report = store.sync(p.namespace, check_sync(payload, now), now, deadline)
+    return report, {f"report_{name}": count for name, count in report.items()}
+
+
+def _export(
+    store: TeamStore, _p: Principal, payload: Any, deadline: float
+) -> tuple[Any, dict[str, int]]:
+    page = store.export(*check_export(payload), _now(), deadline)
+    return page, {"record_count": len(page["memories"])}
+
+
+def _session(
+    _store: TeamStore, p: Principal, _payload: Any, _deadline: float
+) -> tuple[Any, dict[str, int]]:
+    return {"protocol_version": PROTOCOL_VERSION, "namespace": p.namespace, "role": p.role}, {}
+
+
+_ROUTES: Final[Mapping[str, _Operation]] = {
+    "/v1/session": _Operation("GET", False, None, _session),
+    "/v1/memories/scan": _Operation("POST", False, "scan", _scan),
+    "/v1/memories/read": _Operation("POST", False, "read", _read),
+    "/v1/memories/list": _Operation("POST", False, None, _list),  # the body is never read
+    "/v1/memories/put": _Operation("POST", True, "put", _put),
+    "/v1/memories/delete": _Operation("POST", True, "delete", _delete),
+    "/v1/memories/sync": _Operation("POST", True, "sync", _sync),
+    "/v1/memories/export": _Operation("POST", False, "export", _export),
+}
+
+
+def _error_response(error: ApiError) -> Response:
+    return Response(_body({"code": error.code}), error.status, media_type="application/json")
+
+
+def _json_content_type(value: bytes) -> bool:
+    """`application/json` or `application/<anything>+json`, with any parameters (as axum)."""
+    kind = value.split(b";", 1)[0].strip().lower()
+    main, _, sub = kind.partition(b"/")
+    return main == b"application" and (sub == b"json" or sub.endswith(b"+json"))
+
+
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, "bad_request")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, "bad_request")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _log_event(**fields: object) -> None:
+    _log.info(json.dumps(fields, separators=(",", ":")))
+
+
+class _Server:
+    """The routes over one store and one set of principals."""
+
+    def __init__(self, store: TeamStore, principals: _Principals, timeout_s: float) -> None:
+        self.store = store
+        self.principals = principals
+        self.timeout_s = timeout_s
+        self.threads = anyio.CapacityLimiter(MAX_IN_FLIGHT)
+
+    async def handle(self, request: Request) -> Response:
+        operation = _ROUTES[request.url.path]
+        name = request.url.path.rsplit("/", 1)[1]
+        started = time.monotonic()
+        headers: dict[bytes, bytes] = {}
+        for header, value in request.scope["headers"]:
+            headers.setdefault(header, value)  # the first of a repeated header, as axum
+        principal = None
+        try:
+            principal = authenticate(self.principals, headers)
+            if operation.writer and principal.role != "writer":
+                raise _forbidden()
+            body = None
+            if operation.body is not None:
+                if not _json_content_type(headers.get(b"content-type", b"")):
+                    raise _bad_request()
+                body = await _read_body(request)
+            answer, counts = await self._run(operation, principal, body)
+        except ApiError as error:
+            self._trace(name, principal, started, error.status, error.code, {})
+            return _error_response(error)
+        self._trace(name, principal, started, 200, None, counts)
+        return Response(_body(answer), media_type="application/json")
+
+    async def _run(self, operation: _Operation, principal: Principal, body: bytes | None) -> Any:
+        deadline = time.monotonic() + self.timeout_s
+
+        def work() -> tuple[Any, dict[str, int]]:
+            payload = None
+            if operation.body is not None and body is not None:
+                payload = _fields(decode_json(body), _REQUESTS[operation.body], closed=True)
+            try:
+                return operation.run(self.store, principal, payload, deadline)
+            except TactmemError as error:
+                raise _api_error(error) from None
+            except ApiError:
+                raise
+            except Exception as error:  # a bug: its type only, since a message may quote a value
+                _log_event(event="internal_error", error=type(error).__name__)
+                raise ApiError(500, "internal") from None
+
+        with anyio.move_on_after(self.timeout_s + _GRACE_S):
+            return await anyio.to_thread.run_sync(
+                work, limiter=self.threads, abandon_on_cancel=True
+            )
+        raise ApiError(503, "unavailable")
+
+    @staticmethod
+    def _trace(
+        name: str, principal: Principal | None, started: float, status: int, code: str | None,
+        counts: Mapping[str, int],
+    ) -> None:  # fmt: skip
+        """One structured line per request: never a token, a query or any content."""
+        _log_event(
+            event="operation", operation=name,
+            namespace=None if principal is None else principal.namespace,
+            role=None if principal is None else principal.role,
+            success=code is None, status=status, error_code=code,
+            elapsed_ms=round((time.monotonic() - started) * 1000, 3), **counts,
+        )  # fmt: skip
+
+    async def health(self, request: Request) -> Response:
+        """Whether the store answers, and the protocol requests in flight and waiting (no
+        authentication, no content)."""
+        limit: InFlightLimit = request.app.state.limit
+        counts = {"in_flight": limit.active, "waiting": limit.waiting}
+        deadline = time.monotonic() + min(self.timeout_s, 1.0)
+        try:
+            await anyio.to_thread.run_sync(
+                self.store.engine.check, deadline, abandon_on_cancel=True
+            )
+        except TactmemError:
+            return Response(
+                _body({"status": "unavailable", **counts}), 503, media_type="application/json"
+            )
+        return Response(_body({"status": "ok", **counts}), media_type="application/json")
+
+
+async def _empty_error(_request: Request, error: Exception) -> Response:
+    """Unknown routes (404) and wrong methods (405) answer with an empty body, as axum does."""
+    assert isinstance(error, HTTPException)
+    return Response(b"", error.status_code, headers=error.headers)
+
+
+class InFlightLimit:
+    """At most `limit` protocol requests at once; more wait their turn (the original's 64).
+    `/healthz` is outside the limit, so it answers while the protocol routes are saturated."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_IN_FLIGHT) -> None:
+        self.app = app
+        self.limit = limit
+        self.active = 0
+        self.waiting = 0
+        self._semaphore: anyio.Semaphore | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self._semaphore is None:  # made on the server's event loop
+            self._semaphore = anyio.Semaphore(self.limit)
+        self.waiting += 1
+        try:
+            await self._semaphore.acquire()
+        finally:
+            self.waiting -= 1
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+            self._semaphore.release()
+
+
+def create_app(
+    store: TeamStore, principals: _Principals, *, timeout_s: float = STORE_TIMEOUT_S
+) -> InFlightLimit:
+    """The ASGI application: the eight routes of protocol v1 under `/v1`, and `/healthz`."""
+    if not principals:
+        raise CredentialsError("at least one credential is required")
+    server = _Server(store, principals, timeout_s)
+    routes = [Route(path, server.handle, methods=[op.method]) for path, op in _ROUTES.items()]
+    routes.append(Route("/healthz", server.health, methods=["GET"]))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        yield
+        await anyio.to_thread.run_sync(store.close)
+        _log_event(event="stopped")
+
+    app = Starlette(
+        routes=routes, exception_handlers={HTTPException: _empty_error}, lifespan=lifespan
+    )
+    app.router.redirect_slashes = False  # `/v1/session/` is an unknown route, as in axum
+    app.state.limit = InFlightLimit(app)
+    limited: InFlightLimit = app.state.limit
+    return limited
+
+
+# ============================================================================ command line (I/O)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tactmem-server",
+        description="Serve team memory over Tact's remote protocol v1 (routes under /v1).",
+        epilog="Logs are JSON lines on standard error; they never hold a token or any content.",
+    )
+    storage = parser.add_mutually_exclusive_group(required=True)
+    storage.add_argument("--sqlite", metavar="FILE", help="an embedded SQLite database file")
+    storage.add_argument("--postgres", metavar="URL", help="a PostgreSQL connection URL or DSN")
+    parser.add_argument(
+        "--credentials", metavar="FILE", required=True,
+        help="TOML file of [[credentials]] namespace, role, token (mode 0600)",
+    )  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    parser.add_argument(
+        "--port", type=int, default=8420, help="port to listen on (8420; 0: any free)"
+    )
+    parser.add_argument(
+        "--store-timeout", type=float, default=STORE_TIMEOUT_S, metavar="SECONDS",
+        help=f"longest one store operation may take before 503 ({STORE_TIMEOUT_S:g})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pool-size", type=int, default=16, metavar="N",
+        help="PostgreSQL connections per server process (16)",
+    )  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"tactmem-server {__version__}")
+    return parser
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket. Its protocol is named (IPPROTO_TCP, not 0) because asyncio sets
+    TCP_NODELAY only on connections accepted from such a socket; without it every response
+    waited about 40 ms for the client's delayed ACK (headers and body are two writes)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(2048)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import uvicorn
+
+    arguments = _parser().parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    _log.addHandler(handler)
+    _log.setLevel(logging.INFO)
+    _log.propagate = False
+    try:
+        principals = load_credentials(arguments.credentials)
+        engine: _Engine = (
+            SqliteEngine(arguments.sqlite)
+            if arguments.sqlite is not None
+            else PostgresEngine(arguments.postgres, pool_size=arguments.pool_size)
+        )
+        listener = _listen(arguments.host, arguments.port)
+    except (CredentialsError, TactmemError) as error:
+        print(f"tactmem-server: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(
+            f"tactmem-server: cannot listen on {arguments.host}: {error.strerror}", file=sys.stderr
+        )
+        return 2
+    app = create_app(TeamStore(engine), principals, timeout_s=arguments.store_timeout)
+    config = uvicorn.Config(
+        app, interface="asgi3", log_config=None, access_log=False, lifespan="on",
+        timeout_graceful_shutdown=int(arguments.store_timeout + _GRACE_S),
+    )  # fmt: skip
+    logging.getLogger("uvicorn").setLevel(logging.WARNING)
+    host, port = listener.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    _log_event(
+        event="listening",
+        url=f"http://{shown}:{port}",
+        backend="sqlite" if arguments.sqlite else "postgres",
+    )
+    uvicorn.Server(config).run(sockets=[listener])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

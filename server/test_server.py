@@ -1,0 +1,1104 @@
+"""Tests of tactmem-server: real server processes on 127.0.0.1 spoken to over real HTTP, on a real
+SQLite file and on a real PostgreSQL cluster that this test run starts (initdb, pg_ctl).
+
+The compatibility cases are ported from the original's `crates/memory/src/server/tests.rs`; each
+runs against both backends. PostgreSQL tests skip only when no PostgreSQL can be started, and
+with `TACTMEM_REQUIRE_POSTGRES=1` (as CI sets it) they fail instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import http.client
+import itertools
+import json
+import os
+import pathlib
+import pwd
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import tactmem
+
+import tactmem_server
+
+ALICE = "alice-test-token-000000000001"
+BOB = "bob-test-token-00000000000002"
+READER = "reader-test-token-00000000004"
+ALICE_ROTATED = "alice-rotated-token-0000000009"
+CREDENTIALS = f"""
+[[credentials]]
+namespace = "alice"
+role = "writer"
+token = "{ALICE}"
+
+[[credentials]]
+namespace = "bob"
+role = "writer"
+token = "{BOB}"
+
+[[credentials]]
+namespace = "reader"
+role = "reader"
+token = "{READER}"
+
+[[credentials]]
+namespace = "alice"
+role = "writer"
+token = "{ALICE_ROTATED}"
+"""
+TOKENS = {"alice": ALICE, "bob": BOB, "reader": READER}
+SERVER = [sys.executable, "-m", "tactmem_server"]
+
+
+def error(code: str) -> bytes:
+    return json.dumps({"code": code}, separators=(",", ":")).encode()
+
+
+# ============================================================================ PostgreSQL
+
+
+def _postgres_binary(name: str) -> str | None:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), key=_version_key)
+    return found[-1] if found else shutil.which(name)
+
+
+def _version_key(path: str) -> tuple[int, ...]:
+    part = path.split("/")[4]
+    return tuple(int(piece) for piece in part.split(".") if piece.isdigit())
+
+
+class Cluster:
+    def __init__(self, socket_dir: str, restart: Callable[[], None]) -> None:
+        self.socket_dir = socket_dir
+        self.restart = restart
+
+    def dsn(self, database: str) -> str:
+        return f"host={self.socket_dir} user=postgres dbname={database}"
+
+    def url(self, database: str) -> str:
+        return f"postgresql://postgres@/{database}?host={self.socket_dir}"
+
+    def new_database(self) -> str:
+        import psycopg
+
+        name = f"t_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(self.dsn("postgres"), autocommit=True) as connection:
+            connection.execute(f'CREATE DATABASE "{name}" ENCODING UTF8 TEMPLATE template0')
+        return name
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("TACTMEM_REQUIRE_POSTGRES") == "1":
+        pytest.fail(f"PostgreSQL is required here but {reason}")
+    pytest.skip(f"PostgreSQL cannot be started: {reason}")
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    """A throwaway cluster on a Unix socket only, run as `nobody` when the tests run as root
+    (PostgreSQL refuses to run as root)."""
+    initdb, pg_ctl = _postgres_binary("initdb"), _postgres_binary("pg_ctl")
+    if initdb is None or pg_ctl is None:
+        _unavailable("initdb and pg_ctl were not found")
+    assert initdb is not None and pg_ctl is not None
+    base = tempfile.mkdtemp(prefix="tactmem-pg-")
+    user: dict[str, Any] = {}
+    if os.geteuid() == 0:
+        nobody = pwd.getpwnam("nobody")
+        os.chown(base, nobody.pw_uid, nobody.pw_gid)
+        os.chmod(base, 0o755)
+        user = {"user": nobody.pw_uid, "group": nobody.pw_gid}
+    data, sockets, log = (os.path.join(base, name) for name in ("data", "sockets", "log"))
+    run = functools_partial_run(user, base)
+    try:
+        run([initdb, "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-locale"])
+        run(["mkdir", sockets])
+        options = f"-k {sockets} -c listen_addresses='' -c max_connections=300 -c fsync=off"
+        run([pg_ctl, "-D", data, "-l", log, "-o", options, "-w", "start"])
+    except subprocess.CalledProcessError as failure:
+        shutil.rmtree(base, ignore_errors=True)
+        _unavailable(f"{failure.cmd[0]} failed: {failure.stderr!r}")
+
+    def restart() -> None:
+        run([pg_ctl, "-D", data, "-l", log, "-m", "fast", "-o", options, "-w", "restart"])
+
+    try:
+        yield Cluster(sockets, restart)
+    finally:
+        subprocess.run([pg_ctl, "-D", data, "-m", "immediate", "stop"], **user, capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def functools_partial_run(user: dict[str, Any], cwd: str) -> Callable[[list[str]], None]:
+    def run(command: list[str]) -> None:
+        subprocess.run(
+            command, **user, cwd=cwd, check=True, capture_output=True, text=True, timeout=120
+        )
+
+    return run
+
+
+# ============================================================================ servers and clients
+
+
+class Client:
+    """A real HTTP client: one fresh connection per request, so threads may share it."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+
+    def call(
+        self,
+        path: str,
+        body: object = None,
+        *,
+        namespace: str | None = "alice",
+        token: str | None = None,
+        method: str = "POST",
+        headers: dict[str, str] | None = None,
+        raw: bytes | None = None,
+    ) -> tuple[int, bytes]:
+        sent = {"content-type": "application/json"}
+        token = TOKENS.get(namespace or "", ALICE) if token is None else token
+        if token:
+            sent["authorization"] = f"Bearer {token}"
+        if namespace is not None:
+            sent["x-tact-memory-namespace"] = namespace
+        sent.update(headers or {})
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        try:
+            connection.request(
+                method, path, body=data, headers={k: v for k, v in sent.items() if v}
+            )
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    def ok(self, path: str, body: object = None, **options: Any) -> Any:
+        status, data = self.call(path, body, **options)
+        assert status == 200, (status, data)
+        return json.loads(data)
+
+    def put(self, content: str, namespace: str = "alice", replacement: object = None) -> Any:
+        body = {"content": content, "replacement": replacement}
+        return self.ok("/v1/memories/put", body, namespace=namespace)["memory"]
+
+    def export(self, namespaces: list[str] | None = None, limit: int = 128) -> list[Any]:
+        records, cursor = [], None
+        while True:
+            body = {"namespaces": namespaces, "cursor": cursor, "limit": limit}
+            page = self.ok("/v1/memories/export", body, namespace="reader")
+            records += page["memories"]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                return records
+
+
+class Server:
+    """`tactmem-server` as a subprocess on a free port; its log lines are kept."""
+
+    def __init__(self, arguments: list[str], credentials: str, *extra: str) -> None:
+        command = [*SERVER, *arguments, "--credentials", credentials, "--port", "0", *extra]
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(60) or not self.url:
+            self.process.kill()
+            raise AssertionError(f"the server did not start: {self.lines}")
+        self.client = Client(self.url)
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line)
+            if '"event":"listening"' in line:
+                self.url = json.loads(line)["url"]
+                self._ready.set()
+        self._ready.set()
+
+    def stop(self, sign: int = signal.SIGTERM) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sign)
+        return self.process.wait(60)
+
+
+@pytest.fixture
+def credentials(tmp_path: pathlib.Path) -> str:
+    path = tmp_path / "credentials.toml"
+    path.write_text(CREDENTIALS)
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> list[str]:
+    if request.param == "sqlite":
+        return ["--sqlite", str(tmp_path / "team.sqlite3")]
+    cluster: Cluster = request.getfixturevalue("cluster")
+    return ["--postgres", cluster.url(cluster.new_database())]
+
+
+@pytest.fixture
+def start(backend: list[str], credentials: str) -> Iterator[Callable[..., Server]]:
+    servers: list[Server] = []
+
+    def started(*extra: str) -> Server:
+        servers.append(Server(backend, credentials, *extra))
+        return servers[-1]
+
+    yield started
+    for server in servers:
+        server.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def client(start: Callable[..., Server]) -> Client:
+    return start().client
+
+
+@contextlib.contextmanager
+def store_locked(backend: list[str]) -> Iterator[None]:
+    """Hold every table of the server's database locked from outside, with a real second
+    connection, until the block ends."""
+    kind, target = backend
+    if kind == "--sqlite":
+        connection = sqlite3.connect(target, isolation_level=None)
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            connection.execute("ROLLBACK")
+            connection.close()
+        return
+    import psycopg
+
+    with psycopg.connect(target) as locked:
+        locked.execute("LOCK TABLE memory_namespaces, memories IN ACCESS EXCLUSIVE MODE")
+        try:
+            yield
+        finally:
+            locked.rollback()
+
+
+def assert_error(answer: tuple[int, bytes], status: int, code: str) -> None:
+    assert answer == (status, error(code))
+
+
+def snapshot_record(doc_id: int, version: int, content: str) -> dict[str, Any]:
+    return {
+        "key": {"id": doc_id, "version": version},
+        "content": content,
+        "created_at_ms": 10,
+        "updated_at_ms": 10 + version,
+        "last_scanned_at_ms": None,
+        "scan_count": 0,
+        "last_used_at_ms": None,
+        "use_count": 0,
+        "probation_until_ms": None,
+    }
+
+
+def key_of(record: dict[str, Any]) -> tuple[str, int, int]:
+    key = record["key"]
+    return key["namespace"], key["id"], key["version"]
+
+
+# ============================================================================ the original's cases
+
+
+def test_authentication_namespace_and_role_are_enforced(client: Client) -> None:
+    assert_error(client.call("/v1/session", method="GET", token=""), 401, "unauthorized")
+    assert_error(
+        client.call("/v1/session", method="GET", token=ALICE, namespace="reader"),
+        403,
+        "namespace_mismatch",
+    )
+    session = client.ok("/v1/session", method="GET")
+    assert session == {"protocol_version": 1, "namespace": "alice", "role": "writer"}
+    reader = client.ok("/v1/session", method="GET", namespace="reader")
+    assert reader == {"protocol_version": 1, "namespace": "reader", "role": "reader"}
+    denied = [
+        ("/v1/memories/put", {"content": "reader cannot write", "replacement": None}),
+        ("/v1/memories/delete", {"key": {"id": 1, "version": 1, "namespace": "reader"}}),
+        ("/v1/memories/sync", {"memories": []}),
+        ("/v1/memories/put", b"not json at all"),  # the role is checked before the body
+    ]
+    for path, body in denied:
+        raw = body if isinstance(body, bytes) else None
+        answer = client.call(path, None if raw else body, namespace="reader", raw=raw)
+        assert_error(answer, 403, "forbidden")
+
+
+BEARER_CASES = [
+    (f"bearer {ALICE}", "alice", 200, None),  # the scheme is case-insensitive
+    (f"BEARER {ALICE_ROTATED}", "alice", 200, None),  # a second token of the namespace
+    (f"Basic {ALICE}", "alice", 401, "unauthorized"),
+    (f"Bearer  {ALICE}", "alice", 401, "unauthorized"),
+    (f"Bearer {ALICE}!", "alice", 401, "unauthorized"),
+    ("Bearer unknown-token-000000000000", "alice", 401, "unauthorized"),
+    ("Bearer", "alice", 401, "unauthorized"),
+    (f"Bearer {ALICE}", None, 403, "namespace_mismatch"),
+    (f"Bearer {ALICE}", "Alice", 403, "namespace_mismatch"),
+    ("Bearer unknown-token-000000000000", None, 401, "unauthorized"),  # 401 before 403
+]
+
+
+def test_bearer_and_namespace_headers(client: Client) -> None:
+    for authorization, namespace, status, code in BEARER_CASES:
+        answer = client.call(
+            "/v1/session", method="GET", token="", namespace=namespace,
+            headers={"authorization": authorization},
+        )  # fmt: skip
+        assert answer[0] == status, authorization
+        if code is not None:
+            assert answer[1] == error(code), authorization
+
+
+def test_scan_read_and_list_return_only_caller_visible_records(client: Client) -> None:
+    alice = client.put("alice private indexing note")
+    bob = client.put("bob visible concurrent sqlite note", namespace="bob")
+    listed = client.ok("/v1/memories/list", None)["memories"]
+    assert [record["key"] for record in listed] == [alice["key"], bob["key"]]
+    scanned = client.ok("/v1/memories/scan", {"query": "concurrent sqlite", "limit": 5})
+    assert [card["key"] for card in scanned["candidates"]] == [bob["key"]]
+    read = client.ok("/v1/memories/read", {"ids": [alice["key"]["id"]], "keys": [bob["key"]]})
+    assert sorted(map(key_of, read["memories"])) == [("alice", 1, 1), ("bob", 1, 1)]
+    # An unversioned id is the caller's own namespace; a stale versioned key returns nothing.
+    bob_id = client.ok("/v1/memories/read", {"ids": [bob["key"]["id"]]}, namespace="bob")
+    assert [key_of(r) for r in bob_id["memories"]] == [("bob", 1, 1)]
+    stale = {**bob["key"], "version": 2}
+    assert client.ok("/v1/memories/read", {"keys": [stale]})["memories"] == []
+    local = {"id": bob["key"]["id"], "version": 1}  # no namespace: names no remote record
+    assert client.ok("/v1/memories/read", {"keys": [local]}, namespace="reader")["memories"] == []
+
+
+def test_put_replace_and_delete_are_server_authored(client: Client) -> None:
+    inserted = client.put("initial server-authored note")
+    assert inserted["key"] == {"id": 1, "version": 1, "namespace": "alice"}
+    replaced = client.put("replacement server-authored note", replacement=inserted["key"])
+    assert replaced["key"] == {"id": 1, "version": 2, "namespace": "alice"}
+    assert replaced["created_at_ms"] == inserted["created_at_ms"]
+    assert client.call("/v1/memories/delete", {"key": replaced["key"]}) == (200, b"{}")
+    read = client.ok("/v1/memories/read", {"ids": [1]})
+    assert read["memories"] == []
+    # Ids are never reused, even after every row is gone.
+    assert client.put("a later note")["key"]["id"] == 2
+
+
+def test_foreign_keys_cannot_be_mutated(client: Client) -> None:
+    alice = client.put("alice owns this note")
+    local = {"id": alice["key"]["id"], "version": alice["key"]["version"]}
+    assert_error(client.call("/v1/memories/delete", {"key": local}), 403, "forbidden")
+    bob = client.put("bob owns this note", namespace="bob")
+    replace = {"content": "alice cannot replace bob", "replacement": bob["key"]}
+    assert_error(client.call("/v1/memories/put", replace), 403, "forbidden")
+    assert_error(client.call("/v1/memories/delete", {"key": bob["key"]}), 403, "forbidden")
+    local_replace = {"content": "nor a local key", "replacement": local}
+    assert_error(client.call("/v1/memories/put", local_replace), 403, "forbidden")
+    assert [key_of(r) for r in client.export()] == [("alice", 1, 1), ("bob", 1, 1)]
+
+
+def test_concurrent_puts_allocate_distinct_monotonic_ids(client: Client) -> None:
+    assert client.put("initialize concurrent database")["key"]["id"] == 1
+    with ThreadPoolExecutor(16) as pool:
+        ids = list(
+            pool.map(lambda n: client.put(f"concurrent note number {n}")["key"]["id"], range(16))
+        )
+    assert sorted(ids) == list(range(2, 18))
+
+
+def test_sync_replaces_the_callers_complete_snapshot(client: Client) -> None:
+    first = [
+        snapshot_record(10, 1, "first snapshot note"),
+        snapshot_record(20, 1, "second snapshot note"),
+    ]
+    report = client.ok("/v1/memories/sync", {"memories": first})
+    assert report == {"inserted": 2, "replaced": 0, "unchanged": 0, "deleted": 0}
+    second = [
+        snapshot_record(20, 2, "second snapshot revised"),
+        snapshot_record(30, 1, "third snapshot note"),
+    ]
+    report = client.ok("/v1/memories/sync", {"memories": second})
+    assert report == {"inserted": 1, "replaced": 1, "unchanged": 0, "deleted": 1}
+    exported = client.export(["alice"], limit=10)
+    assert [record["key"]["id"] for record in exported] == [20, 30]
+    assert exported[0] == {**second[0], "key": {"id": 20, "version": 2, "namespace": "alice"}}
+    report = client.ok("/v1/memories/sync", {"memories": second})  # full equality: unchanged
+    assert report == {"inserted": 0, "replaced": 0, "unchanged": 2, "deleted": 0}
+    # The allocator moves past the snapshot's ids.
+    assert client.put("after the snapshot")["key"]["id"] == 31
+
+
+SYNC_REFUSALS = [
+    (
+        [snapshot_record(10, 1, "first value"), snapshot_record(10, 2, "second value")],
+        400,
+        "bad_request",
+    ),
+    (
+        [
+            {
+                **snapshot_record(1, 1, "remote key"),
+                "key": {"id": 1, "version": 1, "namespace": "alice"},
+            }
+        ],
+        400,
+        "bad_request",
+    ),
+    ([snapshot_record(0, 1, "id zero")], 400, "bad_request"),
+    ([snapshot_record(1, 1, "   ")], 400, "bad_request"),
+    ([snapshot_record(1, 1, "x" * 1025)], 400, "bad_request"),
+    ([{**snapshot_record(1, 1, "times"), "updated_at_ms": 9}], 400, "bad_request"),
+    ([snapshot_record(1, 1, "x" * 1024), snapshot_record(2, 1, "x" * 1024)], 409, "duplicate"),
+    ([snapshot_record(1, 1, "Same  words"), snapshot_record(2, 1, "same words")], 409, "duplicate"),
+    (
+        [{**snapshot_record(1, 1, "version too large"), "key": {"id": 1, "version": 2**63}}],
+        409,
+        "conflict",
+    ),
+    ([{**snapshot_record(1, 1, "count too large"), "use_count": 2**64 - 1}], 409, "conflict"),
+    ([{**snapshot_record(1, 1, "count beyond u64"), "use_count": 2**64}], 400, "bad_request"),
+    ([snapshot_record(1, 1, "password = hunter2hunter2")], 400, "bad_request"),
+    ([snapshot_record(1, 1, "nul \x00 inside")], 400, "bad_request"),
+    ([snapshot_record(n, 1, f"note {n}") for n in range(1, 514)], 400, "bad_request"),
+    ([snapshot_record(n, 1, f"{n:04}" + "y" * 1020) for n in range(1, 258)], 400, "bad_request"),
+]
+
+
+def test_sync_refusals_change_nothing(client: Client) -> None:
+    kept = client.put("kept through every refused sync")
+    for memories, status, code in SYNC_REFUSALS:
+        assert_error(client.call("/v1/memories/sync", {"memories": memories}), status, code)
+        assert client.export(["alice"]) == [kept]
+
+
+def test_export_paginates_all_or_selected_without_deduplication(client: Client) -> None:
+    client.put("same normalized content")
+    client.put("alice second export note")
+    client.put("same normalized content", namespace="bob")
+    pages, body = [], {"namespaces": None, "cursor": None, "limit": 1}
+    while True:
+        page = client.ok("/v1/memories/export", body)
+        pages.append(page)
+        if page["next_cursor"] is None:
+            break
+        last = page["memories"][-1]["key"]
+        assert page["next_cursor"] == {"namespace": last["namespace"], "id": last["id"]}
+        body = {**body, "cursor": page["next_cursor"]}
+    records = [record for page in pages for record in page["memories"]]
+    assert [key_of(r) for r in records] == [("alice", 1, 1), ("alice", 2, 1), ("bob", 1, 1)]
+    assert len(pages) == 3  # next_cursor is null exactly when nothing follows
+    selected = client.ok("/v1/memories/export", {"namespaces": ["bob"], "limit": 10})
+    assert [key_of(r) for r in selected["memories"]] == [("bob", 1, 1)]
+    assert selected["next_cursor"] is None
+
+
+def test_export_orders_ids_as_numbers(client: Client) -> None:
+    for n in range(12):
+        client.put(f"numbered note {n}")
+    ids = [record["key"]["id"] for record in client.export(["alice"], limit=5)]
+    assert ids == list(range(1, 13))  # not 1, 10, 11, 12, 2, ... as text would order them
+
+
+def test_body_and_request_bounds_are_content_free_client_errors(client: Client) -> None:
+    too_long = {"query": "q" * 513, "limit": 1}
+    assert_error(client.call("/v1/memories/scan", too_long), 413, "query_too_large")
+    content = {"content": "c" * 1025, "replacement": None}
+    assert_error(client.call("/v1/memories/put", content), 413, "content_too_large")
+    for limit in (0, 6):
+        answer = client.call("/v1/memories/scan", {"query": "bounded", "limit": limit})
+        assert_error(answer, 400, "bad_request")
+    for export in (
+        {"namespaces": None, "limit": 0},
+        {"namespaces": None, "limit": 129},
+        {"namespaces": [], "limit": 1},
+    ):
+        assert_error(client.call("/v1/memories/export", export), 400, "bad_request")
+    many = {"ids": list(range(1, 514)), "keys": []}
+    assert_error(client.call("/v1/memories/read", many), 400, "bad_request")
+    client.put("duplicate response marker")
+    duplicate = {"content": "Duplicate   response MARKER", "replacement": None}
+    assert_error(client.call("/v1/memories/put", duplicate), 409, "duplicate")
+    oversized = b"x" * (2 * 1024 * 1024 + 1)
+    assert_error(client.call("/v1/memories/put", raw=oversized), 413, "bad_request")
+    assert_error(client.call("/v1/memories/sync", raw=oversized), 413, "bad_request")
+    assert client.ok("/v1/memories/read", {"ids": list(range(1, 513))})["memories"] != []
+
+
+MALFORMED = [
+    ("/v1/memories/scan", b"not json", {}),
+    ("/v1/memories/scan", b'{"query": "q", "limit": 1}', {"content-type": ""}),
+    ("/v1/memories/scan", b'{"query": "q", "limit": 1}', {"content-type": "text/plain"}),
+    ("/v1/memories/scan", b'{"query": "q", "limit": 1, "scope": "all"}', {}),
+    ("/v1/memories/scan", b'{"query": "q"}', {}),
+    ("/v1/memories/scan", b'{"query": "q", "limit": 1.0}', {}),
+    ("/v1/memories/scan", b'{"query": "q", "limit": true}', {}),
+    ("/v1/memories/scan", b'{"query": "q", "limit": NaN}', {}),
+    ("/v1/memories/scan", b'{"query": "q", "query": "r", "limit": 1}', {}),
+    ("/v1/memories/scan", b'{"query": "\\ud800", "limit": 1}', {}),
+    ("/v1/memories/scan", b'{"query": "\xff", "limit": 1}', {}),
+    ("/v1/memories/scan", b'["q", 1] trailing', {}),
+    ("/v1/memories/read", b'{"ids": null}', {}),
+    ("/v1/memories/read", b'{"ids": [0]}', {}),
+    ("/v1/memories/read", b'{"ids": [9223372036854775808]}', {}),
+    ("/v1/memories/read", b'{"keys": [{"id": 1, "version": 0, "namespace": "bob"}]}', {}),
+    ("/v1/memories/read", b'{"keys": [{"id": 1, "version": 1, "namespace": "b b"}]}', {}),
+    ("/v1/memories/put", b'{"content": "   \\u3000 "}', {}),
+    ("/v1/memories/put", b'{"content": "aws key AKIAIOSFODNN7EXAMPLE here"}', {}),
+    ("/v1/memories/put", b'{"content": "nul \\u0000 inside"}', {}),
+    ("/v1/memories/export", b'{"limit": 1, "cursor": {"namespace": "alice", "id": 0}}', {}),
+    ("/v1/memories/export", b'{"limit": 1, "cursor": {"namespace": "alice", "id": 1, "x": 1}}', {}),
+    ("/v1/memories/export", b'{"limit": 1, "namespaces": ["ok", ""]}', {}),
+    ("/v1/memories/delete", b"{}", {}),
+    ("/v1/memories/sync", b'{"memories": [{"key": {"id": 1, "version": 1}}]}', {}),
+]
+
+
+def test_malformed_requests_are_bad_requests(client: Client) -> None:
+    for path, raw, headers in MALFORMED:
+        assert client.call(path, raw=raw, headers=headers) == (400, error("bad_request")), raw
+    assert client.export() == []
+
+
+def test_versions_and_missing_rows(client: Client) -> None:
+    record = client.put("versioned note")
+    stale = {**record["key"], "version": 2}
+    assert_error(
+        client.call("/v1/memories/put", {"content": "new", "replacement": stale}), 409, "conflict"
+    )
+    assert_error(client.call("/v1/memories/delete", {"key": stale}), 409, "conflict")
+    missing = {"id": 99, "version": 1, "namespace": "alice"}
+    assert_error(
+        client.call("/v1/memories/put", {"content": "new", "replacement": missing}),
+        404,
+        "not_found",
+    )
+    assert client.call("/v1/memories/delete", {"key": missing}) == (200, b"{}")  # idempotent
+    other = client.put("another note")
+    clash = {"content": "ANOTHER note", "replacement": record["key"]}
+    assert_error(client.call("/v1/memories/put", clash), 409, "duplicate")
+    # The original's order: duplicate before not found and conflict.
+    for key in (missing, stale):
+        clash = {"content": "another   NOTE", "replacement": key}
+        assert_error(client.call("/v1/memories/put", clash), 409, "duplicate")
+    assert [key_of(r) for r in client.export()] == [("alice", 1, 1), ("alice", 2, 1)]
+    assert other["key"]["id"] == 2
+
+
+def test_unknown_routes_and_wrong_methods_have_empty_bodies(client: Client) -> None:
+    assert client.call("/v1/memories/unknown", {}) == (404, b"")
+    assert client.call("/v2/session", method="GET") == (404, b"")
+    assert client.call("/v1/memories/scan", method="GET") == (405, b"")
+    assert client.call("/v1/session", method="POST") == (405, b"")
+    assert client.call("/v1/session/", method="GET") == (404, b"")  # no redirect
+
+
+def test_list_ignores_its_body(client: Client) -> None:
+    client.put("listed whatever the body")
+    for raw in (b"null", b"not json", b"x" * (3 * 1024 * 1024)):
+        assert (
+            len(client.ok("/v1/memories/list", raw=raw, headers={"content-type": ""})["memories"])
+            == 1
+        )
+
+
+def test_record_and_content_capacity_per_namespace(client: Client) -> None:
+    full = [snapshot_record(n, 1, f"{n:04}" + "z" * 1020) for n in range(1, 257)]
+    assert client.ok("/v1/memories/sync", {"memories": full})["inserted"] == 256
+    assert_error(
+        client.call("/v1/memories/put", {"content": "one byte more"}), 507, "content_capacity"
+    )
+    small = [snapshot_record(n, 1, f"small note {n}") for n in range(1, 513)]
+    assert client.ok("/v1/memories/sync", {"memories": small}, namespace="bob")["inserted"] == 512
+    assert_error(
+        client.call("/v1/memories/put", {"content": "one more"}, namespace="bob"),
+        507,
+        "record_capacity",
+    )
+    replace = {"content": "y" * 1024, "replacement": {"id": 1, "version": 1, "namespace": "alice"}}
+    assert client.ok("/v1/memories/put", replace)["memory"]["key"]["version"] == 2  # same size fits
+    assert len(client.export(["alice"])) == 256 and len(client.export(["bob"])) == 512
+
+
+def test_telemetry_of_scan_read_and_replace(client: Client) -> None:
+    record = client.put("telemetry gotcha in the ledgerline repository")
+    assert record["probation_until_ms"] == record["updated_at_ms"] + 604_800_000
+    cards = client.ok("/v1/memories/scan", {"query": "ledgerline", "limit": 5}, namespace="reader")
+    assert [card["key"] for card in cards["candidates"]] == [record["key"]]
+    assert cards["candidates"][0]["preview"] == record["content"][:64]
+    (scanned,) = client.export()
+    assert scanned["scan_count"] == 1 and scanned["last_scanned_at_ms"] is not None
+    (read,) = client.ok("/v1/memories/read", {"keys": [record["key"]]}, namespace="reader")[
+        "memories"
+    ]
+    assert read["use_count"] == 1 and read["probation_until_ms"] is None
+    assert read["last_used_at_ms"] is not None and read["scan_count"] == 1
+    assert client.export() == [read]
+    replaced = client.put("telemetry gotcha, revised", replacement=record["key"])
+    assert (replaced["scan_count"], replaced["use_count"], replaced["last_used_at_ms"]) == (
+        0,
+        0,
+        None,
+    )
+    assert replaced["probation_until_ms"] is not None
+    assert replaced["created_at_ms"] == record["created_at_ms"]
+
+
+def test_expired_probation_is_pruned_in_every_namespace(client: Client) -> None:
+    expired = snapshot_record(1, 1, "expired unread note")
+    expired["probation_until_ms"] = 1
+    graduated = {**snapshot_record(2, 1, "graduated note"), "probation_until_ms": 1, "use_count": 1}
+    client.ok("/v1/memories/sync", {"memories": [expired, graduated]}, namespace="bob")
+    listed = client.ok("/v1/memories/list", None, namespace="reader")["memories"]
+    assert [key_of(r) for r in listed] == [("bob", 2, 1)]
+
+
+def test_scan_ranks_the_combined_corpus_as_the_core_does(client: Client) -> None:
+    documents = {
+        ("bob", 1): "deploy with make release from the main branch",
+        ("alice", 1): "deploy with make release from the main branch",  # a tie: alice first
+        ("alice", 2): "release notes are written by hand",
+        ("bob", 2): "the main database migrations run on deploy",
+        ("alice", 3): "unrelated gotcha about caching",
+    }
+    for (namespace, _), content in documents.items():
+        client.put(content, namespace=namespace)
+    ordered = sorted(documents)
+    query = "deploy release main"
+    expected = tactmem.rank(query, [(i, documents[key]) for i, key in enumerate(ordered)], limit=5)
+    cards = client.ok("/v1/memories/scan", {"query": query, "limit": 5})["candidates"]
+    got = [((c["key"]["namespace"], c["key"]["id"]), c["score"]) for c in cards]
+    assert got == [(ordered[i], score) for i, score in expected]
+    assert got[0][0] == ("alice", 1) and got[1][0] == ("bob", 1) and got[0][1] == got[1][1]
+    limited = client.ok("/v1/memories/scan", {"query": query, "limit": 2})["candidates"]
+    assert [c["key"] for c in limited] == [c["key"] for c in cards[:2]]
+    # The per-process statistics follow a change in one namespace only.
+    client.put("release release release deploy main", namespace="bob")
+    documents["bob", 3] = "release release release deploy main"
+    ordered = sorted(documents)
+    expected = tactmem.rank(query, [(i, documents[key]) for i, key in enumerate(ordered)], limit=5)
+    cards = client.ok("/v1/memories/scan", {"query": query, "limit": 5})["candidates"]
+    assert [((c["key"]["namespace"], c["key"]["id"]), c["score"]) for c in cards] == [
+        (ordered[i], score) for i, score in expected
+    ]
+
+
+# ============================================================================ limits and operations
+
+
+def wait_for(condition: Callable[[], bool], what: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def health(client: Client) -> dict[str, Any]:
+    status, data = client.call("/healthz", method="GET", token="", namespace=None)
+    assert status in (200, 503), status
+    answer: dict[str, Any] = json.loads(data)
+    return answer
+
+
+def test_in_flight_limit_queues_requests_beyond_64(
+    backend: list[str], start: Callable[..., Server]
+) -> None:
+    server = start()
+    client = server.client
+    assert health(client) == {"status": "ok", "in_flight": 0, "waiting": 0}
+    with ThreadPoolExecutor(65) as pool, store_locked(backend):
+        answers = [pool.submit(client.call, "/v1/memories/list", None) for _ in range(65)]
+        wait_for(
+            lambda: (
+                {k: health(client)[k] for k in ("in_flight", "waiting")}
+                == {"in_flight": 64, "waiting": 1}
+            ),
+            "64 requests in flight and one waiting",
+        )
+        time.sleep(0.3)  # and it stays so while the store is held
+        assert {k: health(client)[k] for k in ("in_flight", "waiting")} == {
+            "in_flight": 64,
+            "waiting": 1,
+        }
+    assert [answer.result() for answer in answers] == [(200, b'{"memories":[]}')] * 65
+    assert health(client) == {"status": "ok", "in_flight": 0, "waiting": 0}
+
+
+def test_store_timeout_answers_unavailable_and_writes_nothing(
+    backend: list[str], start: Callable[..., Server]
+) -> None:
+    client = start("--store-timeout", "1").client
+    with store_locked(backend):
+        began = time.monotonic()
+        answer = client.call("/v1/memories/put", {"content": "never written"})
+        waited = time.monotonic() - began
+    assert_error(answer, 503, "unavailable")
+    assert 0.9 < waited < 6, waited  # the store timeout, not the grace period after it
+    time.sleep(0.5)
+    assert client.export() == []
+    assert client.put("written after the lock")["key"]["id"] == 1
+
+
+def test_logs_are_structured_and_hold_no_token_or_content(start: Callable[..., Server]) -> None:
+    server = start()
+    client = server.client
+    secret_words = "zebracorn-marker-in-content"
+    record = client.put(f"note about {secret_words}")
+    client.ok("/v1/memories/scan", {"query": "zebracorn-query-marker", "limit": 5})
+    client.call("/v1/memories/put", {"content": "password = hunter2hunter2"})
+    client.call("/v1/session", method="GET", token="wrong-token-zebracorn")
+    client.ok("/v1/memories/read", {"keys": [record["key"]]})
+    assert server.stop() == -signal.SIGTERM  # uvicorn re-raises the signal once it has stopped
+    events = [json.loads(line) for line in server.lines]
+    assert events[-1] == {"event": "stopped"}
+    operations = [
+        (e["operation"], e["status"], e.get("error_code"))
+        for e in events
+        if e["event"] == "operation"
+    ]
+    assert operations == [
+        ("put", 200, None), ("scan", 200, None), ("put", 400, "bad_request"),
+        ("session", 401, "unauthorized"), ("read", 200, None),
+    ]  # fmt: skip
+    text = "".join(server.lines)
+    for leak in ("zebracorn", "hunter2", ALICE, READER, "password"):
+        assert leak not in text
+
+
+def test_graceful_shutdown_finishes_requests_in_flight(
+    backend: list[str], start: Callable[..., Server]
+) -> None:
+    server = start()
+    with ThreadPoolExecutor(1) as pool, store_locked(backend):
+        answer = pool.submit(server.client.put, "written during shutdown")
+        wait_for(lambda: health(server.client)["in_flight"] == 1, "the put in flight")
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert server.process.poll() is None  # still finishing the put
+    assert answer.result()["key"]["id"] == 1
+    assert server.process.wait(30) == -signal.SIGTERM
+    assert json.loads(server.lines[-1]) == {"event": "stopped"}
+    assert [key_of(r) for r in start().client.export()] == [("alice", 1, 1)]
+
+
+def test_help_and_startup_errors(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shown = subprocess.run([*SERVER, "--help"], capture_output=True, text=True, check=True).stdout
+    for option in (
+        "--sqlite",
+        "--postgres",
+        "--credentials",
+        "--host",
+        "--port",
+        "--store-timeout",
+    ):
+        assert option in shown
+    good = 'namespace = "alice"\nrole = "writer"\ntoken = "tok-000000000000000001"\n'
+    cases = {
+        "repeated token": f"[[credentials]]\n{good}[[credentials]]\n{good.replace('alice', 'bob')}",
+        "no credentials": "",
+        "empty list": "credentials = []\n",
+        "bad role": f"[[credentials]]\n{good.replace('writer', 'admin')}",
+        "bad namespace": f"[[credentials]]\n{good.replace('alice', 'a/b')}",
+        "bad token": f"[[credentials]]\n{good.replace('tok-', 'tok ')}",
+        "unknown key": f"[[credentials]]\n{good}comment = 1\n",
+        "not toml": "[[credentials]\ntoken = tok-000000000000000001",
+    }
+    database = str(tmp_path / "x.sqlite3")
+    for name, text in cases.items():
+        path = tmp_path / f"{name}.toml"
+        path.write_text(text)
+        path.chmod(0o600)
+        assert tactmem_server.main(["--sqlite", database, "--credentials", str(path)]) == 2, name
+        stderr = capsys.readouterr().err
+        assert stderr.startswith("tactmem-server: ") and "Traceback" not in stderr, name
+        assert "tok-000000000000000001" not in stderr and "tok 000" not in stderr, name
+    path = tmp_path / "open.toml"
+    path.write_text(f"[[credentials]]\n{good}")
+    path.chmod(0o644)
+    assert tactmem_server.main(["--sqlite", database, "--credentials", str(path)]) == 2
+    assert "0600" in capsys.readouterr().err
+    path.chmod(0o600)
+    unreachable = "host=/nonexistent-socket-dir dbname=x password=pw-zebra"
+    assert tactmem_server.main(["--postgres", unreachable, "--credentials", str(path)]) == 2
+    stderr = capsys.readouterr().err
+    assert "could not connect to PostgreSQL" in stderr and "pw-zebra" not in stderr
+
+
+def test_a_tactmem_store_file_is_not_a_team_database(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
+    path = tmp_path / "memory.sqlite3"
+    with tactmem.Store(path) as store:
+        store.put("a local conclusion")
+    run = subprocess.run(
+        [*SERVER, "--sqlite", str(path), "--credentials", credentials],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2 and "not a tactmem-server database" in run.stderr
+
+
+# ============================================================================ several processes
+
+
+def test_several_servers_keep_bounds_ids_and_versions(start: Callable[..., Server]) -> None:
+    """Three server processes on one database, sixteen clients racing puts to the row bound,
+    then compare-and-swap replaces and deletes on the same records."""
+    clients = [start().client for _ in range(3)]
+    acknowledged: dict[int, str] = {}
+    refused: list[bytes] = []
+    lock = threading.Lock()
+    counter = itertools.count()
+
+    def fill(worker: int) -> None:
+        client = clients[worker % 3]
+        while True:
+            content = f"racing note {next(counter)} from worker {worker}"
+            status, data = client.call("/v1/memories/put", {"content": content})
+            if status != 200:
+                refused.append(data)
+                return
+            record = json.loads(data)["memory"]
+            with lock:
+                assert record["key"]["id"] not in acknowledged
+                acknowledged[record["key"]["id"]] = content
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(fill, range(16)))
+    assert refused == [error("record_capacity")] * 16
+    assert sorted(acknowledged) == list(range(1, 513))  # no id skipped, none repeated
+    exported = clients[0].export(["alice"])
+    assert {r["key"]["id"]: r["content"] for r in exported} == acknowledged
+
+    targets = [r["key"] for r in exported[:8]]
+    wins: dict[int, list[tuple[int, str]]] = {key["id"]: [] for key in targets}
+
+    def race(worker: int) -> None:
+        client = clients[worker % 3]
+        for round_number in range(6):
+            for key in targets:
+                (current,) = client.ok("/v1/memories/read", {"ids": [key["id"]]})["memories"] or [
+                    None
+                ]
+                if current is None:
+                    continue
+                content = f"replaced {key['id']} by {worker} in round {round_number}"
+                body = {"content": content, "replacement": current["key"]}
+                status, data = client.call("/v1/memories/put", body)
+                assert status in (200, 409), (status, data)
+                if status == 200:
+                    new = json.loads(data)["memory"]["key"]
+                    assert new["version"] == current["key"]["version"] + 1
+                    with lock:
+                        wins[key["id"]].append((new["version"], content))
+                else:
+                    assert data == error("conflict")
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(race, range(8)))
+    final = {r["key"]["id"]: r for r in clients[1].export(["alice"])}
+    for doc_id, won in wins.items():
+        versions = sorted(version for version, _ in won)
+        assert versions == list(range(2, 2 + len(won)))  # each version won exactly once
+        assert final[doc_id]["key"]["version"] == 1 + len(won)
+        assert final[doc_id]["content"] == max(won)[1]  # the last acknowledged write is kept
+
+    def delete_race(worker: int) -> int:
+        client = clients[worker % 3]
+        key = {**final[targets[0]["id"]]["key"]}
+        status, data = client.call("/v1/memories/delete", {"key": key})
+        assert status == 200 and data == b"{}"
+        return status
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(delete_race, range(8))) == [200] * 8
+    assert len(clients[2].export(["alice"])) == 511
+    assert clients[2].put("the row freed by the delete")["key"]["id"] == 513  # never reused
+
+
+def test_racing_writers_never_break_the_content_bound(start: Callable[..., Server]) -> None:
+    """Three servers, eight clients inserting 1,000-byte records into a namespace 6,144 bytes
+    short of its content bound: exactly six fit, whichever server takes them."""
+    clients = [start().client for _ in range(3)]
+    full = [snapshot_record(n, 1, f"{n:04}" + "f" * 1020) for n in range(1, 251)]
+    assert (
+        clients[0].ok("/v1/memories/sync", {"memories": full}, namespace="bob")["inserted"] == 250
+    )
+    counter = itertools.count()
+    answers: list[tuple[int, bytes]] = []
+
+    def insert(worker: int) -> None:
+        for _ in range(4):
+            content = f"{next(counter):04}" + "g" * 996
+            answers.append(
+                clients[worker % 3].call("/v1/memories/put", {"content": content}, namespace="bob")
+            )
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(insert, range(8)))
+    assert sorted(status for status, _ in answers) == [200] * 6 + [507] * 26
+    assert {data for status, data in answers if status == 507} == {error("content_capacity")}
+    stored = clients[1].export(["bob"])
+    assert sum(len(r["content"].encode()) for r in stored) == 250 * 1024 + 6 * 1000
+    assert [r["key"]["id"] for r in stored] == list(range(1, 257))
+
+
+def test_a_server_killed_mid_write_leaves_nothing_partial(start: Callable[..., Server]) -> None:
+    """SIGKILL a server while it applies 512-record snapshots and puts; the survivor sees each
+    namespace as one whole snapshot (or one whole put), never a part."""
+    victim, survivor = start(), start()
+    snapshots = [
+        [snapshot_record(n, 1, f"snapshot {letter} record {n}") for n in range(1, 513)]
+        for letter in "ab"
+    ]
+    stop = threading.Event()
+    cut: list[int] = []
+
+    def write(worker: int) -> None:
+        for round_number in itertools.count():
+            if stop.is_set():
+                return
+            try:
+                if worker % 2:
+                    victim.client.call(
+                        "/v1/memories/sync", {"memories": snapshots[round_number % 2]}
+                    )
+                else:
+                    victim.client.call(
+                        "/v1/memories/put",
+                        {"content": f"put {worker} {round_number}"},
+                        namespace="bob",
+                    )
+            except (OSError, http.client.HTTPException):
+                cut.append(worker)  # a request the kill cut off
+
+    with ThreadPoolExecutor(8) as pool:
+        writers = [pool.submit(write, worker) for worker in range(8)]
+        time.sleep(1.5)
+        victim.stop(signal.SIGKILL)
+        stop.set()
+        for writer in writers:
+            writer.result()
+    assert cut, "no request was in flight when the server was killed"
+    served = [json.loads(line) for line in victim.lines]
+    assert any(e.get("operation") == "sync" and e["status"] == 200 for e in served)
+    alice = [r["content"] for r in survivor.client.export(["alice"])]
+    assert alice in ([], [r["content"] for r in snapshots[0]], [r["content"] for r in snapshots[1]])
+    bob = survivor.client.export(["bob"])
+    assert [r["key"]["id"] for r in bob] == list(range(1, len(bob) + 1))
+    assert all(r["content"].startswith("put ") for r in bob)
+    survivor.client.put("the database still takes writes", namespace="bob")
+
+
+# ============================================================================ in process
+
+
+class CountingEngine:
+    """A real SQLite engine that records the statements it runs (a spy, not a stand-in)."""
+
+    def __init__(self, path: str) -> None:
+        self.engine = tactmem_server.SqliteEngine(path)
+        self.bytes_sql, self.lock_sql = self.engine.bytes_sql, self.engine.lock_sql
+        self.statements: list[tuple[str, tuple[object, ...]]] = []
+
+    @contextlib.contextmanager
+    def transaction(self, deadline: float) -> Iterator[Any]:
+        engine = self
+        with self.engine.transaction(deadline) as tx:
+
+            class Recording:
+                def rows(self, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:
+                    engine.statements.append((sql, tuple(params)))
+                    return tx.rows(sql, params)
+
+                def run(self, sql: str, params: Any = ()) -> None:
+                    engine.statements.append((sql, tuple(params)))
+                    tx.run(sql, params)
+
+                def many(self, sql: str, params: Any) -> None:
+                    tx.many(sql, params)
+
+            yield Recording()
+
+    def check(self, deadline: float) -> None:
+        self.engine.check(deadline)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def test_token_statistics_are_refreshed_only_for_changed_namespaces(
+    tmp_path: pathlib.Path,
+) -> None:
+    engine = CountingEngine(str(tmp_path / "team.sqlite3"))
+    store = tactmem_server.TeamStore(engine)
+    far, now, limits = time.monotonic() + 30, tactmem._now_ms(), tactmem.Limits()
+    for namespace in ("alice", "bob", "carol"):
+        for n in range(3):
+            store.put(
+                namespace,
+                tactmem._check_put(f"{namespace} deploy note {n}", None, limits, now),
+                far,
+            )
+
+    def fetched() -> list[object]:
+        found = [p for sql, p in engine.statements if sql.startswith("SELECT id, version, content")]
+        engine.statements.clear()
+        return [params[0] for params in found]
+
+    terms = tactmem._query_terms("deploy note")
+    engine.statements.clear()
+    first = store.scan(terms, 5, now, far)
+    assert fetched() == ["alice", "bob", "carol"] and len(first) == 5
+    assert store.scan(terms, 5, now, far) == first
+    assert fetched() == []  # nothing changed: nothing fetched again
+    store.put("bob", tactmem._check_put("bob deploy note again", None, limits, now), far)
+    engine.statements.clear()
+    store.scan(terms, 5, now, far)
+    assert fetched() == ["bob"]
+    store.close()
+
+
+def test_the_server_reconnects_after_postgresql_restarts(
+    cluster: Cluster, credentials: str
+) -> None:
+    server = Server(["--postgres", cluster.url(cluster.new_database())], credentials)
+    try:
+        server.client.put("written before the restart")
+        cluster.restart()
+        assert server.client.put("written after the restart")["key"]["id"] == 2
+        assert health(server.client)["status"] == "ok"
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_the_listener_is_a_tcp_socket_so_connections_get_nodelay() -> None:
+    """asyncio sets TCP_NODELAY only on connections accepted from a socket whose protocol is
+    IPPROTO_TCP; a socket made with protocol 0 left every response waiting for a delayed ACK."""
+    listener = tactmem_server._listen("127.0.0.1", 0)
+    try:
+        assert listener.proto == socket.IPPROTO_TCP
+        assert listener.getsockname()[1] > 0
+    finally:
+        listener.close()
