@@ -54,16 +54,14 @@ __version__ = "0.1.0"
 __all__ = [  # sorted; each is documented in the README
     "Backend", "Candidate", "Config", "ConfigError", "Conflict", "ContentCapacity",
     "ContentTooLarge", "DatabaseCapacity", "DiskFull", "Duplicate", "EmptyContent", "Export",
-    "InvalidExport", "InvalidRequest", "Key",
-    "Limits", "MEMORY_INSTRUCTIONS", "MEMORY_REVIEW_CHECKPOINT", "MemoryDisabled", "MemoryTool",
-    "Merged", "NotFound",
-    "NotRoot", "QueryTooLarge", "RECOMMENDED_MIN_COVERAGE", "Record", "RecordCapacity",
-    "ReviewCheckpoint", "ScanRequired",
-    "ScanResult", "SecretRejected", "StorageError", "Store", "StoreBusy", "StoreNotEmpty",
-    "TactmemError",
-    "UnsupportedSchema", "find_secret", "load_config", "main", "memory_db_path",
-    "normalized_identity", "preview", "rank", "resolve_config_path", "tokenize", "tool_definition",
-    "with_memory_instructions",
+    "InvalidExport", "InvalidRequest", "Key", "Limits", "MEMORY_INSTRUCTIONS",
+    "MEMORY_REVIEW_CHECKPOINT", "MemoryDisabled", "MemoryTool", "Merged", "NotFound", "NotRoot",
+    "QueryTooLarge", "RECOMMENDED_MIN_COVERAGE", "Record", "RecordCapacity", "RemoteConfig",
+    "RemoteDenied", "RemoteError", "RemoteInvalid", "RemoteKey", "RemoteStore",
+    "RemoteUnavailable", "ReviewCheckpoint", "ScanRequired", "ScanResult", "SecretRejected",
+    "StorageError", "Store", "StoreBusy", "StoreNotEmpty", "TactmemError", "UnsupportedSchema",
+    "find_secret", "load_config", "main", "memory_db_path", "normalized_identity", "preview",
+    "rank", "resolve_config_path", "tokenize", "tool_definition", "with_memory_instructions",
 ]  # fmt: skip
 
 # ============================================================================ constants (pure)
@@ -2187,7 +2185,9 @@ def _to_json(value: object) -> Any:
 def _converter() -> Any:
     import cattrs  # only the commands that print JSON pay for it
 
-    return cattrs.Converter()
+    converter = cattrs.Converter()
+    converter.register_unstructure_hook(Key, attrs.asdict)  # a `RemoteKey` keeps its namespace
+    return converter
 
 
 _ID_SCHEMA: Final = {"type": "integer", "minimum": 1, "maximum": _MAX_SQL_INT}
