@@ -17,6 +17,7 @@ Command line (``tactmem COMMAND --help`` for each)::
       list [--sort useful|newest|oldest|least] | stats | browse | demo
       export [FILE|-] | import FILE|- [--dry-run] | restore FILE|-
       tool [--child] [--min-coverage X] | mcp [--child] [--min-coverage X]
+      push [--dry-run] | pull --all | pull --namespace N [--namespace N ...]
       eval [FILE ...] [--min-coverage X] [--sweep] [--thresholds FILE] [--paired RESULTS]
 """
 
