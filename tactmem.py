@@ -3741,25 +3741,6 @@ _INCOMPATIBLE: Final = "remote memory server speaks another protocol (is the end
 _Cursor = tuple[str, int]  # an export position: a namespace and an id
 
 
-def _check_endpoint(endpoint: str) -> str:
-    """The endpoint's base URL, ending in `/`: https, or plain http to this machine only (a
-    token must never cross a network in the clear); no user name or password in it."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(endpoint)
-        host, _ = parts.hostname, parts.port  # a port that is not a number raises
-    except ValueError:
-        raise ConfigError("remote memory endpoint is not a valid URL") from None
-    if parts.scheme not in ("https", "http") or not host or parts.query or parts.fragment:
-        raise ConfigError("remote memory endpoint must be an https:// URL with a host")
-    if "@" in parts.netloc:
-        raise ConfigError("remote memory endpoint must not hold a user name or password")
-    if parts.scheme == "http" and host not in _LOOPBACK:
-        raise ConfigError("remote memory endpoint must use https (http only to 127.0.0.1)")
-    return endpoint if endpoint.endswith("/") else endpoint + "/"
-
-
 def _check_namespace(namespace: object) -> str:
     if not isinstance(namespace, str) or not _REMOTE_NAMESPACE.fullmatch(namespace):
         raise ConfigError(
@@ -4971,6 +4952,25 @@ _BOOKMARK: Final = "x-tact-memory-bookmark"
 _RETRIED: Final = frozenset((429, 502, 503, 504))
 _REPEATABLE: Final = frozenset(("session", "memories/list", "memories/delete",
                                 "memories/sync", "memories/export"))  # fmt: skip
+
+
+def _check_endpoint(endpoint: str) -> str:
+    """The endpoint's base URL, ending in `/`: https, or plain http to this machine only (a
+    token must never cross a network in the clear); no user name or password in it."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(endpoint)
+        host, _ = parts.hostname, parts.port  # a port that is not a number raises
+    except ValueError:
+        raise ConfigError("remote memory endpoint is not a valid URL") from None
+    if parts.scheme not in ("https", "http") or not host or parts.query or parts.fragment:
+        raise ConfigError("remote memory endpoint must be an https:// URL with a host")
+    if "@" in parts.netloc:
+        raise ConfigError("remote memory endpoint must not hold a user name or password")
+    if parts.scheme == "http" and host not in _LOOPBACK:
+        raise ConfigError("remote memory endpoint must use https (http only to 127.0.0.1)")
+    return endpoint if endpoint.endswith("/") else endpoint + "/"
 
 
 class _NotConnected(Exception):
