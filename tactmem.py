@@ -2539,9 +2539,15 @@ def _probation_label(record: Record, now_ms: int) -> str:
     return "probation <1m" if left < 60_000 else f"probation {_age(left)}"
 
 
+def _key_label(key: Key) -> str:
+    """`#7`, or for a team record its namespace first: `alice#7`."""
+    return f"{getattr(key, 'namespace', '')}#{key.id}"
+
+
 def _record_heading(record: Record, now_ms: int) -> str:
     return (
-        f"#{record.key.id} v{record.key.version} · updated {_age(now_ms - record.updated_at_ms)}"
+        f"{_key_label(record.key)} v{record.key.version} · updated"
+        f" {_age(now_ms - record.updated_at_ms)}"
         f" ago · scanned {record.scan_count}× · used {record.use_count}×"
         f" · {_probation_label(record, now_ms)}"
     )
@@ -5823,7 +5829,7 @@ def _human(request: _Request, value: Any, now_ms: int) -> Iterator[str]:
                 yield f"{_ABSTENTIONS[value.reason]} (abstained)"
             for card in value.candidates:
                 key, text = card.key, _displayable(card.preview)
-                yield f"#{key.id} v{key.version}  {card.score:.3f}  {text}"
+                yield f"{_key_label(key)} v{key.version}  {card.score:.3f}  {text}"
         case "read":
             for record in value:
                 yield _record_heading(record, now_ms)
@@ -5977,6 +5983,11 @@ def _restore_command(store: Store, arguments: argparse.Namespace, _: Config | No
 
 
 def _browse_command(store: Backend, _: argparse.Namespace, config: Config | None) -> None:
+    if isinstance(store, RemoteStore):  # its reducer keys records by id, which namespaces share
+        raise TactmemError(
+            "tactmem browse shows local memory only, and this directory uses team memory;"
+            " use tactmem list, or run it outside the workspace roots"
+        )
     _browse(store, None if config is None else config.memory_enabled)  # the human is trusted
 
 

@@ -6122,6 +6122,10 @@ def test_cli_uses_team_memory_inside_a_workspace_root(team: TeamServer, tmp_path
     done = run_in(work, config, "put", "In ledgerline, CI tags the releases.")
     assert (done.returncode, done.stdout, done.stderr) == (0, "stored #1 v1\n", "")
     assert not local_db.exists()  # it went to the team server
+    assert run_in(work, config, "list").stdout.startswith("alice#1 v1 · updated")
+    assert run_in(work, config, "scan", "ledgerline").stdout.startswith("alice#1 v1  ")
+    browse = run_in(work, config, "browse")
+    assert browse.returncode == 1 and "team memory" in browse.stderr
     listed = json.loads(run_in(work, config, "--json", "list").stdout)
     assert listed["memories"][0]["key"] == {"id": 1, "version": 1, "namespace": "alice"}
     assert [r.content for r in team.store("bob").list()] == ["In ledgerline, CI tags the releases."]
