@@ -6136,12 +6136,17 @@ def test_cli_uses_team_memory_inside_a_workspace_root(team: TeamServer, tmp_path
         work, config, "tool", stdin=json_lines({"operation": "scan", "query": "ledgerline"})
     )
     assert json.loads(tool.stdout)["candidates"][0]["key"]["namespace"] == "alice"
+    with Store(local_db) as local:
+        kept = local.list()
     team.stop()  # unreachable: an error, never the local store instead
     failed = run_in(work, config, "scan", "ledgerline")
     assert failed.returncode == 1 and "could not be reached" in failed.stderr
     assert "Traceback" not in failed.stderr and ALICE_TOKEN not in failed.stderr
     answer = json.loads(run_in(work, config, "--json", "scan", "local conclusion").stdout)
     assert answer["error"]["code"] == "remote_unavailable"
+    assert run_in(work, config, "put", "Not stored anywhere.").returncode == 1
+    with Store(local_db) as local:
+        assert local.list() == kept  # not a scan's, not a put's telemetry: untouched
 
 
 def test_cli_workspace_roots_take_in_linked_git_worktrees(tmp_path: Path) -> None:
@@ -6206,6 +6211,41 @@ def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
         assert usage.returncode == 2 and "exactly one" in usage.stderr
     bad = run_in(elsewhere, pull_config, "pull", "--namespace", "no spaces")
     assert bad.returncode == 1 and "namespace" in bad.stderr
+
+
+def test_push_reconciles_local_writes_that_race_the_snapshot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The original's `push_reconciles_a_local_write_that_races_the_first_snapshot`: a write
+    to the local store during the sync is pushed by a second pass; a store that keeps changing
+    fails after three."""
+    (tmp_path / "work").mkdir()
+    snapshots: list[int] = []
+    racing, written = [1], itertools.count(1)  # how many syncs write a local record meanwhile
+
+    def sync(body: Any) -> tuple[int, dict[str, str], Any]:
+        snapshots.append(len(body["memories"]))
+        if len(snapshots) <= racing[0]:
+            with Store(memory_db_path(config)) as local:
+                local.put(f"A conclusion written during sync number {next(written)}.")
+        counts = {"inserted": len(body["memories"]), "replaced": 0, "unchanged": 0, "deleted": 0}
+        return 200, {}, counts
+
+    stub = StubServer({"session": SESSION, "memories/sync": sync})
+    try:
+        config = team_config(tmp_path, stub.url, ["work"])
+        with Store(memory_db_path(config)) as local:
+            local.put("The first local conclusion.")
+        status, out, _ = run_cli(capsys, "--config", str(config), "push")
+        assert (status, snapshots) == (0, [1, 2])
+        assert out.startswith("Pushed 2 memories to namespace `alice`: 2 inserted, 0 replaced")
+        snapshots.clear()
+        racing[0] = 3
+        status, _, err = run_cli(capsys, "--config", str(config), "push")
+        assert (status, snapshots) == (1, [2, 3, 4])
+        assert "kept changing" in err
+    finally:
+        stub.close()
 
 
 def test_push_needs_a_writer_and_a_configured_remote(team: TeamServer, tmp_path: Path) -> None:
