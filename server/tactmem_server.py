@@ -684,6 +684,7 @@ class PostgresEngine:
             check=psycopg_pool.ConnectionPool.check_connection,  # after a restart, reconnect
         )  # fmt: skip
         try:
+            psycopg.connect(url, connect_timeout=10).close()  # fail at once, not after retries
             self._pool.open(wait=True, timeout=10)
         except (psycopg.Error, psycopg_pool.PoolTimeout):
             self._pool.close()

@@ -33,6 +33,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import tactmem
+from hypothesis import given
+from hypothesis import strategies as st
 
 import tactmem_server
 
@@ -1102,3 +1104,38 @@ def test_the_listener_is_a_tcp_socket_so_connections_get_nodelay() -> None:
         assert listener.getsockname()[1] > 0
     finally:
         listener.close()
+
+
+# ============================================================================ pure rules
+
+NAMESPACES = st.text(alphabet="ABCXYZabcxyz019._-", min_size=1, max_size=128)
+
+
+@given(st.lists(st.tuples(NAMESPACES, st.integers(1, 2**63 - 1)), min_size=2, max_size=20))
+def test_doc_ids_order_as_namespace_then_id(pairs: list[tuple[str, int]]) -> None:
+    encoded = [tactmem_server._doc_id(namespace, doc_id) for namespace, doc_id in pairs]
+    assert [tactmem_server._doc_key(value) for value in encoded] == pairs
+    by_pair = sorted(pairs, key=lambda pair: (pair[0].encode(), pair[1]))
+    assert [tactmem_server._doc_key(value) for value in sorted(encoded)] == by_pair
+
+
+def test_read_looks_up_keys_first_then_own_ids_each_once() -> None:
+    key = tactmem_server.WireKey
+    payload = {
+        "ids": [3, 1, 3],
+        "keys": [key("bob", 1, 2), key(None, 9, 1), key("alice", 1, 1), key("bob", 1, 5)],
+    }
+    assert tactmem_server.check_read(payload, "alice") == [
+        key("bob", 1, 2), key("alice", 1, 1), key("alice", 3, 0),
+    ]  # fmt: skip
+
+
+def test_sync_report_counts_by_full_record_equality() -> None:
+    def record(doc_id: int, content: str, uses: int = 0) -> tactmem.Record:
+        return tactmem.Record(tactmem.Key(doc_id, 1), content, 1, 1, None, 0, None, uses, None)
+
+    previous = {1: record(1, "one"), 2: record(2, "two"), 3: record(3, "three")}
+    snapshot = [record(1, "one"), record(2, "two", uses=1), record(4, "four")]
+    assert tactmem_server.plan_sync(previous, snapshot) == {
+        "inserted": 1, "replaced": 1, "unchanged": 1, "deleted": 1,
+    }  # fmt: skip
