@@ -2199,6 +2199,14 @@ _KEY_SCHEMA: Final = {
     "additionalProperties": False,
 }
 _NULLABLE_TIME: Final = {"type": ["integer", "null"]}
+# An answer's key: a team memory record's also names its namespace (`RemoteKey`).
+_ANSWER_KEY_SCHEMA: Final = {
+    **_KEY_SCHEMA,
+    "properties": {
+        **_KEY_SCHEMA["properties"],  # type: ignore[dict-item]
+        "namespace": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"},
+    },
+}
 
 
 def _closed(
@@ -2219,7 +2227,7 @@ def _output_schema(limits: Limits) -> dict[str, Any]:
     stored_bytes = max(limits.content_bytes, _DEFAULT_LIMITS.content_bytes)
     record = _closed(
         {
-            "key": _KEY_SCHEMA,
+            "key": _ANSWER_KEY_SCHEMA,
             "content": {"type": "string", "minLength": 1, "maxLength": stored_bytes},
             "created_at_ms": {"type": "integer"},
             "updated_at_ms": {"type": "integer"},
@@ -2231,7 +2239,7 @@ def _output_schema(limits: Limits) -> dict[str, Any]:
         }
     )
     candidate = {
-        "key": _KEY_SCHEMA,
+        "key": _ANSWER_KEY_SCHEMA,
         "preview": {"type": "string", "maxLength": _PREVIEW_BYTES},
         "score": {"type": "number", "exclusiveMinimum": 0},
         "coverage": {"type": "number", "minimum": 0, "maximum": 1},

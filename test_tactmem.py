@@ -5806,8 +5806,12 @@ def test_memory_tool_over_a_remote_store(team: TeamServer) -> None:
     assert scan["candidates"][0]["key"] == {"id": 1, "version": 1, "namespace": "alice"}
     assert child.call({"operation": "delete", "id": 1, "version": 1})["error"]["code"] == "not_root"
     assert root.call({"operation": "read", "ids": [1]})["memories"][0]["use_count"] == 1
+    root.call({"operation": "scan", "query": "aws key"})
     secret = root.call({"operation": "put", "content": "AWS key AKIAIOSFODNN7EXAMPLE here"})
-    assert secret["error"]["code"] in ("scan_required", "secret_rejected")
+    assert secret["error"]["code"] == "secret_rejected"
+    schema = tactmem.tool_definition()["output_schema"]
+    for answer in (stored, scan, root.call({"operation": "read", "ids": [1]}), secret):
+        jsonschema.validate(answer, schema)  # namespaced keys are in the tool's own schema
 
 
 # ------------------------------------------------------------------------ hostile answers
