@@ -6153,6 +6153,32 @@ def test_cli_uses_team_memory_inside_a_workspace_root(team: TeamServer, tmp_path
         assert local.list() == kept  # not a scan's, not a put's telemetry: untouched
 
 
+def test_mcp_inside_a_workspace_root_serves_team_memory(team: TeamServer, tmp_path: Path) -> None:
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    (tmp_path / "work").mkdir()
+    config = team_config(tmp_path, team.url, ["work"])
+    team.store("bob").put("Bob: the MCP server on the team box speaks protocol v1.")
+    parameters = StdioServerParameters(
+        command=sys.executable, args=["-m", "tactmem", "--config", str(config), "mcp"],
+        cwd=str(tmp_path / "work"), env=subprocess_env(),
+    )  # fmt: skip
+
+    async def session() -> list[Any]:
+        async with Client(parameters) as client:
+            calls = [
+                {"operation": "scan", "query": "mcp team box"},
+                {"operation": "put", "content": "Alice: team memory reaches agents over MCP."},
+            ]
+            return [await client.call_tool("memory", call) for call in calls]
+
+    scan, put = asyncio.run(asyncio.wait_for(session(), 60))
+    assert scan.structured_content["candidates"][0]["key"]["namespace"] == "bob"
+    assert put.structured_content["memory"]["key"] == {"id": 1, "version": 1, "namespace": "alice"}
+    assert not Path(memory_db_path(config)).exists()  # nothing went to a local store
+
+
 def test_cli_workspace_roots_take_in_linked_git_worktrees(tmp_path: Path) -> None:
     repo, linked = tmp_path / "roots" / "repo", tmp_path / "linked"
     repo.mkdir(parents=True)
