@@ -6053,6 +6053,33 @@ def test_remote_store_times_out() -> None:
         stub.close()
 
 
+def test_remote_store_verifies_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server whose certificate no trusted authority signed is refused, before any request;
+    once the certificate is trusted (`SSL_CERT_FILE`, read by the default context), it works."""
+    import ssl
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+         "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key),
+         "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    stub = StubServer({"session": SESSION, "memories/list": (200, {}, {"memories": []})})
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    stub.server.socket = context.wrap_socket(stub.server.socket, server_side=True)
+    try:
+        secure = tactmem.RemoteStore(stub.url.replace("http:", "https:"), "alice", ALICE_TOKEN)
+        with pytest.raises(tactmem.RemoteUnavailable, match="TLS certificate"):
+            secure.list()
+        assert sum(stub.hits.values()) == 0
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        assert secure.list() == () and stub.hits["memories/list"] == 1
+    finally:
+        stub.close()
+
+
 def test_remote_store_endpoint_rules() -> None:
     for endpoint in ("http://team.example.com", "ftp://127.0.0.1", "https://user:pw@host/",
                      "https://", "not a url", "https://host:port/"):  # fmt: skip
