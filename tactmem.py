@@ -2203,7 +2203,8 @@ _NULLABLE_TIME: Final = {"type": ["integer", "null"]}
 _ANSWER_KEY_SCHEMA: Final = {
     **_KEY_SCHEMA,
     "properties": {
-        **_KEY_SCHEMA["properties"],  # type: ignore[dict-item]
+        "id": _ID_SCHEMA,
+        "version": _ID_SCHEMA,
         "namespace": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"},
     },
 }
@@ -3836,7 +3837,7 @@ def _remote_cards(answer: object, limit: int) -> tuple[Candidate, ...]:
         key, text, score = _remote_key(card["key"]), card["preview"], card["score"]
         if not _is_text(text) or len(text.encode("utf-8")) > _PREVIEW_BYTES:
             raise RemoteInvalid()
-        if type(score) not in (int, float) or not 0 <= score <= last:  # NaN too
+        if not (type(score) is float or _is_count(score)) or not 0 <= score <= last:  # NaN too
             raise RemoteInvalid()
         if (key.namespace, key.id) in seen:
             raise RemoteInvalid()
@@ -3932,10 +3933,11 @@ def _remote_failure(status: int, body: bytes) -> TactmemError:
     import json
 
     try:
-        code = json.loads(body).get("code")
-    except (ValueError, RecursionError, AttributeError):
-        code = None
-    if code not in _REMOTE_FAILURES:
+        answer = json.loads(body)
+    except (ValueError, RecursionError):
+        answer = None
+    code = answer.get("code") if isinstance(answer, dict) else None
+    if not isinstance(code, str) or code not in _REMOTE_FAILURES:
         code = _REMOTE_STATUSES.get(status, "unavailable" if status >= 500 else None)
     if code is None:
         return RemoteDenied(_INCOMPATIBLE) if status == 404 else RemoteInvalid()

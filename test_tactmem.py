@@ -5975,6 +5975,9 @@ REFUSED: list[tuple[str, Any, Callable[[tactmem.RemoteStore], object]]] = [
         (200, {}, {"protocol_version": 1, "namespace": "alice", "role": "owner"}),
         lambda s: s.session(),
     ),
+    ("memories/scan", (200, {}, scan_of(card(1, score=10**400))), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, b'{"candidates": [{"score": NaN}]}'), lambda s: s.scan("q")),
+    ("memories/list", (409, {}, {"code": ["conflict"]}), lambda s: s.list()),
     ("memories/list", (404, {}, b""), lambda s: s.list()),
     ("memories/list", (400, {}, b"<html>" + HOSTILE.encode()), lambda s: s.list()),
 ]
