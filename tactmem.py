@@ -17,6 +17,7 @@ Command line (``tactmem COMMAND --help`` for each)::
       list [--sort useful|newest|oldest|least] | stats | browse | demo
       export [FILE|-] | import FILE|- [--dry-run] | restore FILE|-
       tool [--child] [--min-coverage X] | mcp [--child] [--min-coverage X]
+      push [--dry-run] | pull --all | pull --namespace N [--namespace N ...]
       eval [FILE ...] [--min-coverage X] [--sweep] [--thresholds FILE] [--paired RESULTS]
 """
 
@@ -55,16 +56,14 @@ __version__ = "0.1.0"
 __all__ = [  # sorted; each is documented in the README
     "Backend", "Candidate", "Config", "ConfigError", "Conflict", "ContentCapacity",
     "ContentTooLarge", "DatabaseCapacity", "DiskFull", "Duplicate", "EmptyContent", "Export",
-    "InvalidExport", "InvalidRequest", "Key",
-    "Limits", "MEMORY_INSTRUCTIONS", "MEMORY_REVIEW_CHECKPOINT", "MemoryDisabled", "MemoryTool",
-    "Merged", "NotFound",
-    "NotRoot", "QueryTooLarge", "RECOMMENDED_MIN_COVERAGE", "Record", "RecordCapacity",
-    "ReviewCheckpoint", "ScanRequired",
-    "ScanResult", "SecretRejected", "StorageError", "Store", "StoreBusy", "StoreNotEmpty",
-    "TactmemError",
-    "UnsupportedSchema", "find_secret", "load_config", "main", "memory_db_path",
-    "normalized_identity", "preview", "rank", "resolve_config_path", "tokenize", "tool_definition",
-    "with_memory_instructions",
+    "InvalidExport", "InvalidRequest", "Key", "Limits", "MEMORY_INSTRUCTIONS",
+    "MEMORY_REVIEW_CHECKPOINT", "MemoryDisabled", "MemoryTool", "Merged", "NotFound", "NotRoot",
+    "QueryTooLarge", "RECOMMENDED_MIN_COVERAGE", "Record", "RecordCapacity", "RemoteConfig",
+    "RemoteDenied", "RemoteError", "RemoteInvalid", "RemoteKey", "RemoteStore",
+    "RemoteUnavailable", "ReviewCheckpoint", "ScanRequired", "ScanResult", "SecretRejected",
+    "StorageError", "Store", "StoreBusy", "StoreNotEmpty", "TactmemError", "UnsupportedSchema",
+    "find_secret", "load_config", "main", "memory_db_path", "normalized_identity", "preview",
+    "rank", "resolve_config_path", "tokenize", "tool_definition", "with_memory_instructions",
 ]  # fmt: skip
 
 # ============================================================================ constants (pure)
@@ -640,6 +639,35 @@ class ConfigError(TactmemError):
     message = "the config file is invalid"
 
 
+class RemoteError(TactmemError):
+    """A team memory server could not be used, or answered outside the protocol. The message
+    names what failed, never a token, a record's content or the server's words."""
+
+    code = "remote_error"
+    message = "remote memory request failed"
+
+
+class RemoteUnavailable(RemoteError):
+    """The server could not be reached, timed out, or stayed unavailable through the retries."""
+
+    code = "remote_unavailable"
+    message = "remote memory service is unavailable"
+
+
+class RemoteDenied(RemoteError):
+    """The server refused the credential, its namespace, its role or this protocol version."""
+
+    code = "remote_denied"
+    message = "remote memory server refused the request"
+
+
+class RemoteInvalid(RemoteError):
+    """An answer that breaks the protocol: malformed, out of bounds, out of order."""
+
+    code = "remote_invalid_response"
+    message = "remote memory server returned an invalid response"
+
+
 class MemoryDisabled(ConfigError):
     """The configuration in use does not enable memory (`[memory] enabled = true`)."""
 
@@ -681,6 +709,13 @@ class Key:
     version: int
 
 
+@attrs.frozen(order=True)
+class RemoteKey(Key):
+    """The key of a team memory record: its id and version in its server `namespace`."""
+
+    namespace: str
+
+
 @attrs.frozen
 class Record:
     """One stored conclusion with its telemetry. Times are Unix milliseconds."""
@@ -713,11 +748,24 @@ class Candidate:
 
 
 @attrs.frozen
+class RemoteConfig:
+    """`[memory.remote]` of a config file: the team memory server, the namespace and token to
+    use there, and the workspace roots inside which it replaces local memory."""
+
+    endpoint: str
+    namespace: str
+    bearer_token: str = attrs.field(repr=False)
+    workspace_roots: tuple[str, ...]
+
+
+@attrs.frozen
 class Config:
-    """The part of a Tact `config.toml` that tactmem reads: `[memory] enabled`."""
+    """The part of a Tact `config.toml` that tactmem reads: `[memory] enabled` and
+    `[memory.remote]` (None when the file configures no team memory)."""
 
     path: str
     memory_enabled: bool = False
+    remote: RemoteConfig | None = None
 
 
 # Why a scan returned nothing: no term in the query, a limit below 1, no record sharing a term,
@@ -2144,7 +2192,9 @@ def _to_json(value: object) -> Any:
 def _converter() -> Any:
     import cattrs  # only the commands that print JSON pay for it
 
-    return cattrs.Converter()
+    converter = cattrs.Converter()
+    converter.register_unstructure_hook(Key, attrs.asdict)  # a `RemoteKey` keeps its namespace
+    return converter
 
 
 _ID_SCHEMA: Final = {"type": "integer", "minimum": 1, "maximum": _MAX_SQL_INT}
@@ -2155,6 +2205,15 @@ _KEY_SCHEMA: Final = {
     "additionalProperties": False,
 }
 _NULLABLE_TIME: Final = {"type": ["integer", "null"]}
+# An answer's key: a team memory record's also names its namespace (`RemoteKey`).
+_ANSWER_KEY_SCHEMA: Final = {
+    **_KEY_SCHEMA,
+    "properties": {
+        "id": _ID_SCHEMA,
+        "version": _ID_SCHEMA,
+        "namespace": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"},
+    },
+}
 
 
 def _closed(
@@ -2175,7 +2234,7 @@ def _output_schema(limits: Limits) -> dict[str, Any]:
     stored_bytes = max(limits.content_bytes, _DEFAULT_LIMITS.content_bytes)
     record = _closed(
         {
-            "key": _KEY_SCHEMA,
+            "key": _ANSWER_KEY_SCHEMA,
             "content": {"type": "string", "minLength": 1, "maxLength": stored_bytes},
             "created_at_ms": {"type": "integer"},
             "updated_at_ms": {"type": "integer"},
@@ -2187,7 +2246,7 @@ def _output_schema(limits: Limits) -> dict[str, Any]:
         }
     )
     candidate = {
-        "key": _KEY_SCHEMA,
+        "key": _ANSWER_KEY_SCHEMA,
         "preview": {"type": "string", "maxLength": _PREVIEW_BYTES},
         "score": {"type": "number", "exclusiveMinimum": 0},
         "coverage": {"type": "number", "minimum": 0, "maximum": 1},
@@ -2495,9 +2554,15 @@ def _probation_label(record: Record, now_ms: int) -> str:
     return "probation <1m" if left < 60_000 else f"probation {_age(left)}"
 
 
+def _key_label(key: Key) -> str:
+    """`#7`, or for a team record its namespace first: `alice#7`."""
+    return f"{getattr(key, 'namespace', '')}#{key.id}"
+
+
 def _record_heading(record: Record, now_ms: int) -> str:
     return (
-        f"#{record.key.id} v{record.key.version} · updated {_age(now_ms - record.updated_at_ms)}"
+        f"{_key_label(record.key)} v{record.key.version} · updated"
+        f" {_age(now_ms - record.updated_at_ms)}"
         f" ago · scanned {record.scan_count}× · used {record.use_count}×"
         f" · {_probation_label(record, now_ms)}"
     )
@@ -3682,6 +3747,218 @@ def _parse_export(data: bytes, limits: Limits) -> _Parsed:
     return _Parsed(manifest["next_id"], records)
 
 
+# ------------------------------------------------------------------------ remote answers
+# Team memory (README, "Team memory"): what `RemoteStore` checks before it sends anything and
+# in every answer of a server speaking Tact's remote protocol v1 before any of it is used:
+# shapes and JSON types exactly, then the original client's bounds and order. A secret-shaped
+# card or record is dropped. Every refusal is a `RemoteError` that quotes nothing it received.
+
+_REMOTE_NAMESPACE: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_REMOTE_TOKEN: Final = re.compile(r"[A-Za-z0-9._~+/=-]{1,4096}")
+_EXPORT_PAGE: Final = 128  # the most records one export page may hold
+_SYNC_COUNTS: Final = ("inserted", "replaced", "unchanged", "deleted")
+_LOOPBACK: Final = frozenset(("127.0.0.1", "localhost", "::1"))
+_INCOMPATIBLE: Final = "remote memory server speaks another protocol (is the endpoint right?)"
+_Cursor = tuple[str, int]  # an export position: a namespace and an id
+
+
+def _check_namespace(namespace: object) -> str:
+    if not isinstance(namespace, str) or not _REMOTE_NAMESPACE.fullmatch(namespace):
+        raise ConfigError(
+            "remote memory namespace must be 1 to 128 ASCII letters, digits, '.', '-' or '_'"
+        )
+    return namespace
+
+
+def _remote_int(value: object, low: int = 1) -> int:
+    if type(value) is not int or not low <= value <= _MAX_SQL_INT:
+        raise RemoteInvalid()
+    return value
+
+
+def _exactly(value: object, fields: Iterable[str]) -> dict[str, Any]:
+    """An answer object with exactly these fields (the protocol has no optional ones)."""
+    if not isinstance(value, dict) or value.keys() != set(fields):
+        raise RemoteInvalid()
+    return value
+
+
+def _remote_key(value: object) -> RemoteKey:
+    key = _exactly(value, ("id", "version", "namespace"))
+    namespace = key["namespace"]
+    if not isinstance(namespace, str) or not _REMOTE_NAMESPACE.fullmatch(namespace):
+        raise RemoteInvalid()
+    return RemoteKey(_remote_int(key["id"]), _remote_int(key["version"]), namespace)
+
+
+def _remote_record(value: object) -> Record:
+    """A record of an answer, its fields checked as an export's are (`_RECORD_FIELDS`)."""
+    record = _exactly(value, _RECORD_FIELDS)
+    key = _remote_key(record["key"])
+    rest = list(_RECORD_FIELDS)[1:]
+    if not all(_RECORD_FIELDS[name][0](record[name]) for name in rest):
+        raise RemoteInvalid()
+    return Record(key, *(record[name] for name in rest))
+
+
+def _where(record: Record) -> _Cursor:
+    """A team record's place: its namespace and id (the order of lists and exports)."""
+    return getattr(record.key, "namespace", ""), record.key.id
+
+
+def _sound(record: Record) -> bool:
+    """The original client's record check: text within the content bound, not blank, and
+    `updated >= created >= 0`. (Secret-shaped content is checked apart: it is dropped.)"""
+    size = len(record.content.encode("utf-8"))  # `_remote_record` took only UTF-8 text
+    blank = not record.content or _WS_RUN.fullmatch(record.content) is not None
+    return (
+        not blank
+        and size <= _DEFAULT_LIMITS.content_bytes
+        and 0 <= record.created_at_ms <= record.updated_at_ms
+    )
+
+
+def _remote_records(answer: object, most: int) -> list[Record]:
+    """The sound, not secret-shaped records of a read or list answer of at most `most`
+    records, none twice."""
+    items = _exactly(answer, ("memories",))["memories"]
+    if not isinstance(items, list) or len(items) > most:
+        raise RemoteInvalid()
+    records = [_remote_record(item) for item in items]
+    if len(set(map(_where, records))) < len(records):
+        raise RemoteInvalid()
+    return [r for r in records if _sound(r) and find_secret(r.content) is None]
+
+
+def _remote_cards(answer: object, limit: int) -> tuple[Candidate, ...]:
+    """A scan answer: at most `limit` cards, each key once, finite scores from high to low,
+    previews of at most 64 bytes; secret-shaped previews are dropped. The protocol sends no
+    coverage: every card's is 0."""
+    items = _exactly(answer, ("candidates",))["candidates"]
+    if not isinstance(items, list) or len(items) > limit:
+        raise RemoteInvalid()
+    cards, seen, last = [], set(), math.inf
+    for item in items:
+        card = _exactly(item, ("key", "preview", "score"))
+        key, text, score = _remote_key(card["key"]), card["preview"], card["score"]
+        if not _is_text(text) or len(text.encode("utf-8")) > _PREVIEW_BYTES:
+            raise RemoteInvalid()
+        if not (type(score) is float or _is_count(score)) or not 0 <= score <= last:  # NaN too
+            raise RemoteInvalid()
+        if (key.namespace, key.id) in seen:
+            raise RemoteInvalid()
+        seen.add((key.namespace, key.id))
+        last = score
+        if find_secret(text) is None:
+            cards.append(Candidate(key, text, float(score), 0.0))
+    return tuple(cards)
+
+
+def _remote_put(answer: object, put: _Put, namespace: str) -> Record:
+    """A put's answer: the record, in this namespace, holding exactly the content sent, at
+    version 1 (an insert) or the replaced key's id at its version + 1."""
+    record = _remote_record(_exactly(answer, ("memory",))["memory"])
+    key = record.key
+    wanted = (key.id, 1) if put.replace is None else (put.replace.id, put.replace.version + 1)
+    if (
+        not _sound(record)
+        or getattr(key, "namespace", None) != namespace
+        or record.content != put.content
+        or (key.id, key.version) != wanted
+    ):
+        raise RemoteInvalid()
+    return record
+
+
+def _remote_sync(answer: object, sent: int) -> dict[str, int]:
+    """A sync report: inserted + replaced + unchanged is the snapshot's size; at most 512
+    deleted."""
+    report = _exactly(answer, _SYNC_COUNTS)
+    counts = {name: _remote_int(report[name], 0) for name in _SYNC_COUNTS}
+    if sum(counts[name] for name in _SYNC_COUNTS[:3]) != sent:
+        raise RemoteInvalid()
+    if counts["deleted"] > _DEFAULT_LIMITS.records:
+        raise RemoteInvalid()
+    return counts
+
+
+def _remote_page(
+    answer: object, selected: frozenset[str] | None, after: _Cursor | None, limit: int
+) -> tuple[list[Record], _Cursor | None]:
+    """An export page: at most `limit` records of the selected namespaces, strictly after
+    `after` in `(namespace, id)` order, and a next cursor that is exactly the last record's key
+    (None at the end). A secret-shaped record is dropped; any other unsound one refused."""
+    page = _exactly(answer, ("memories", "next_cursor"))
+    items = page["memories"]
+    if not isinstance(items, list) or len(items) > limit:
+        raise RemoteInvalid()
+    records, previous = [_remote_record(item) for item in items], after
+    for record in records:
+        here = _where(record)
+        if selected is not None and here[0] not in selected:
+            raise RemoteInvalid()
+        if (previous is not None and here <= previous) or not _sound(record):
+            raise RemoteInvalid()
+        previous = here
+    cursor, following = page["next_cursor"], None
+    if cursor is not None:
+        raw = _exactly(cursor, ("namespace", "id"))
+        following = (raw["namespace"], _remote_int(raw["id"]))
+        if not records or following != previous:
+            raise RemoteInvalid()
+    return [r for r in records if find_secret(r.content) is None], following
+
+
+# What each error code of the protocol means here (README, "Team memory").
+_REMOTE_FAILURES: Final[dict[str, Callable[[], TactmemError]]] = {
+    "conflict": Conflict, "duplicate": Duplicate, "not_found": NotFound,
+    "record_capacity": lambda: RecordCapacity(_DEFAULT_LIMITS.records),
+    "content_capacity": lambda: ContentCapacity(_DEFAULT_LIMITS.total_content_bytes),
+    "content_too_large": lambda: ContentTooLarge(_DEFAULT_LIMITS.content_bytes),
+    "query_too_large": lambda: QueryTooLarge(_DEFAULT_LIMITS.query_bytes),
+    "bad_request": lambda: InvalidRequest("remote memory server refused the request as invalid"),
+    "unauthorized": lambda: RemoteDenied("remote memory server rejected the bearer token"),
+    "namespace_mismatch": lambda: RemoteDenied(
+        "remote memory namespace does not match the credential"
+    ),
+    "forbidden": lambda: RemoteDenied(
+        "remote memory credential may not make this change (it is read-only, or the record"
+        " is another namespace's)"
+    ),
+    "unsupported_protocol": lambda: RemoteDenied(_INCOMPATIBLE),
+    "unavailable": RemoteUnavailable,
+    "internal": lambda: RemoteError("remote memory server failed (internal error)"),
+}  # fmt: skip
+# An answer without a code this client knows, by its status.
+_REMOTE_STATUSES: Final = {401: "unauthorized", 403: "forbidden", 429: "unavailable"}
+
+
+def _remote_failure(status: int, body: bytes) -> TactmemError:
+    """The error a refusal stands for: its `{"code": ...}` body, else its status (an unknown
+    route's bare 404: another protocol; 5xx: unavailable)."""
+    import json
+
+    try:
+        answer = json.loads(body)
+    except (ValueError, RecursionError):
+        answer = None
+    code = answer.get("code") if isinstance(answer, dict) else None
+    if not isinstance(code, str) or code not in _REMOTE_FAILURES:
+        code = _REMOTE_STATUSES.get(status, "unavailable" if status >= 500 else None)
+    if code is None:
+        return RemoteDenied(_INCOMPATIBLE) if status == 404 else RemoteInvalid()
+    return _REMOTE_FAILURES[code]()
+
+
+def _wire_key(key: Key, namespace: str | None) -> dict[str, Any]:
+    return {"id": key.id, "version": key.version, **({"namespace": namespace} if namespace else {})}
+
+
+def _wire_record(record: Record) -> dict[str, Any]:
+    """A local record as a sync snapshot sends it: its local key (no namespace)."""
+    return {**_to_json(record), "key": _wire_key(record.key, None)}
+
+
 # ============================================================================ shell (I/O)
 
 _SCHEMA: Final = (
@@ -4267,13 +4544,17 @@ class Store:
         identity the store or an earlier line holds are skipped. `dry_run` does the same and
         rolls it back (a store with no file yet is planned as empty, and not created)."""
         parsed, now = _parse_export(data, self.limits), _now_ms(now_ms)
+        return self._merge_records(parsed.records, dry_run, now)
+
+    def _merge_records(
+        self, records: Sequence[tuple[int, Record]], dry_run: bool, now: int
+    ) -> Merged:
+        """`merge` of checked records, each with the line (or place) an error names."""
         if dry_run and not os.path.exists(self.path):
-            inserts, skipped = _plan_merge(parsed.records, _NEW_STORE, self.limits, now)
+            inserts, skipped = _plan_merge(records, _NEW_STORE, self.limits, now)
             return Merged(len(inserts), skipped)
         with self._transaction(prune_at=now, commit=not dry_run) as connection:
-            inserts, skipped = _plan_merge(
-                parsed.records, _read_batch(connection), self.limits, now
-            )
+            inserts, skipped = _plan_merge(records, _read_batch(connection), self.limits, now)
             connection.executemany(
                 _INSERT,
                 [
@@ -4598,7 +4879,10 @@ def load_config(
         raise ConfigError(f"the config file {path} is not a regular file")
     if len(data) > _CONFIG_BYTES:
         raise ConfigError(f"the config file {path} is larger than {_CONFIG_BYTES} bytes")
-    return _parse_config(path, data)
+    config = _parse_config(path, data)
+    if config.remote is not None:
+        _check_private(path)
+    return config
 
 
 def _parse_config(path: str, data: bytes) -> Config:
@@ -4617,12 +4901,423 @@ def _parse_config(path: str, data: bytes) -> Config:
     if not isinstance(memory, dict):
         raise ConfigError(f"[memory] in {path} must be a table")
     for name in memory:
-        if name != "enabled":
+        if name not in ("enabled", "remote"):
             raise ConfigError(f"unknown key in [memory] of {path}: {_field_label(name)}")
     enabled = memory.get("enabled", False)
     if not isinstance(enabled, bool):
         raise ConfigError(f"memory.enabled in {path} must be true or false")
-    return Config(path, memory_enabled=enabled)
+    return Config(path, memory_enabled=enabled, remote=_remote_config(path, memory))
+
+
+# `[memory.remote]`: each key, and what it must hold (an empty value: not set).
+_REMOTE_KEYS: Final[dict[str, tuple[type, str]]] = {
+    "endpoint": (str, "a string"), "namespace": (str, "a string"),
+    "bearer_token": (str, "a string"), "workspace_roots": (list, "a list of paths"),
+}  # fmt: skip
+
+
+def _remote_config(path: str, memory: Mapping[str, Any]) -> RemoteConfig | None:
+    """`[memory.remote]` as the original reads it: absent or all empty is no team memory;
+    otherwise every key is required. Messages never hold the token or the endpoint."""
+    remote = memory.get("remote", {})
+    if not isinstance(remote, dict):
+        raise ConfigError(f"[memory.remote] in {path} must be a table")
+    for name, value in remote.items():
+        if name not in _REMOTE_KEYS:
+            raise ConfigError(f"unknown key in [memory.remote] of {path}: {_field_label(name)}")
+        kind, wanted = _REMOTE_KEYS[name]
+        values: list[object] = value if isinstance(value, list) else [value]
+        if not isinstance(value, kind) or not all(map(_is_text, values)):
+            raise ConfigError(f"memory.remote.{name} in {path} must be {wanted}")
+    if not any(remote.values()):
+        return None
+    if not all(remote.get(name) for name in _REMOTE_KEYS):
+        raise ConfigError(
+            f"[memory.remote] in {path} needs an endpoint, namespace, bearer_token and at least"
+            " one workspace root"
+        )
+    base = os.path.dirname(path)
+    roots = tuple(
+        os.path.join(base, os.path.expanduser(root)) for root in remote["workspace_roots"]
+    )
+    store = RemoteStore(remote["endpoint"], remote["namespace"], remote["bearer_token"])  # checks
+    return RemoteConfig(store.endpoint, store.namespace, remote["bearer_token"], roots)
+
+
+def _check_private(path: str) -> None:
+    """A config that holds a bearer token must be readable by its owner only (mode 0600)."""
+    mode = os.stat(path).st_mode & 0o777
+    if mode & 0o077:
+        raise ConfigError(
+            f"config file {path} holds a remote memory bearer token but its mode is {mode:#o};"
+            " remove all group and other permissions (chmod 600)"
+        )
+
+
+def _git_common_dir(path: str) -> str | None:
+    """The shared `.git` directory of the repository or linked worktree holding `path`."""
+    for directory in (path, *_parents(path)):
+        dot_git = os.path.join(directory, ".git")
+        if os.path.isdir(dot_git) and not os.path.islink(dot_git):
+            return os.path.realpath(dot_git)
+        if not os.path.isfile(dot_git):
+            continue
+        try:
+            with open(dot_git, encoding="utf-8") as file:
+                line = file.read(4096).strip()
+            if not line.startswith("gitdir: "):
+                return None
+            git_dir = os.path.realpath(os.path.join(directory, line.removeprefix("gitdir: ")))
+            with open(os.path.join(git_dir, "commondir"), encoding="utf-8") as file:
+                return os.path.realpath(os.path.join(git_dir, file.read(4096).strip()))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+    return None
+
+
+def _parents(path: str) -> Iterator[str]:
+    while (parent := os.path.dirname(path)) != path:
+        yield parent
+        path = parent
+
+
+def _in_workspace(remote: RemoteConfig, workspace: str) -> bool:
+    """Whether `workspace` is inside a configured root (canonical paths), or in a linked
+    worktree of a repository inside one. A root that is not a directory is an error."""
+    here = os.path.realpath(workspace)
+    roots = []
+    for root in remote.workspace_roots:
+        canonical = os.path.realpath(root)
+        if not os.path.isdir(canonical):
+            raise ConfigError(f"remote memory workspace root is not a directory: {root}")
+        roots.append(canonical)
+    if any(os.path.commonpath([here, root]) == root for root in roots):
+        return True
+    common = _git_common_dir(here)
+    return common is not None and any(
+        os.path.commonpath([common, root]) == root or _git_common_dir(root) == common
+        for root in roots
+    )
+
+
+# ------------------------------------------------------------------------ the remote store
+# `RemoteStore` speaks protocol v1 with the original client's transport rules: 750 ms to
+# connect, 2 s per request, 3 attempts 100 and 250 ms apart, `Retry-After` honoured up to 2 s,
+# answers of at most 8 MiB. A 429, 502, 503 or 504 is retried only by operations that are safe
+# to repeat (session, list, delete, sync, export); scan, read and put retry only a connection
+# that failed to open. One store sends one request at a time, for the bookmark.
+
+_CONNECT_TIMEOUT_S: Final = 0.75
+_REQUEST_TIMEOUT_S: Final = 2.0
+_BACKOFFS_S: Final = (0.1, 0.25, None)
+_RETRY_AFTER_MOST_S: Final = 2.0
+_ANSWER_BYTES: Final = 8 << 20
+_BOOKMARK: Final = "x-tact-memory-bookmark"
+_RETRIED: Final = frozenset((429, 502, 503, 504))
+_REPEATABLE: Final = frozenset(("session", "memories/list", "memories/delete",
+                                "memories/sync", "memories/export"))  # fmt: skip
+
+
+def _check_endpoint(endpoint: str) -> str:
+    """The endpoint's base URL, ending in `/`: https, or plain http to this machine only (a
+    token must never cross a network in the clear); no user name or password in it."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(endpoint)
+        host, _ = parts.hostname, parts.port  # a port that is not a number raises
+    except ValueError:
+        raise ConfigError("remote memory endpoint is not a valid URL") from None
+    if parts.scheme not in ("https", "http") or not host or parts.query or parts.fragment:
+        raise ConfigError("remote memory endpoint must be an https:// URL with a host")
+    if "@" in parts.netloc:
+        raise ConfigError("remote memory endpoint must not hold a user name or password")
+    if parts.scheme == "http" and host not in _LOOPBACK:
+        raise ConfigError("remote memory endpoint must use https (http only to 127.0.0.1)")
+    return endpoint if endpoint.endswith("/") else endpoint + "/"
+
+
+class _NotConnected(Exception):
+    """The connection could not be opened: nothing was sent, so any request may try again."""
+
+
+class RemoteStore:
+    """A `Backend` over a team memory server (Tact's remote protocol v1, `tactmem-server`).
+
+    Scans rank every namespace the token may see; `read` takes ids of this namespace (and
+    `read_keys` versioned keys of any); put and delete change this namespace only. Input is
+    checked by the same core rules as `Store` before anything is sent, and every answer is
+    checked before it is used (`_remote_cards`, `_remote_records`, `_remote_put`...). TLS is
+    verified with the system's trust store; plain http is allowed only to this machine.
+    Nothing is cached: an unreachable server is a `RemoteUnavailable`, never local memory."""
+
+    def __init__(
+        self, endpoint: str, namespace: str, bearer_token: str, *,
+        timeout_s: float = _REQUEST_TIMEOUT_S, connect_timeout_s: float = _CONNECT_TIMEOUT_S,
+    ) -> None:  # fmt: skip
+        self.endpoint = _check_endpoint(endpoint)
+        self.namespace = _check_namespace(namespace)
+        if not isinstance(bearer_token, str) or not _REMOTE_TOKEN.fullmatch(bearer_token):
+            raise ConfigError(
+                "remote memory bearer token must be 1 to 4096 characters,"
+                " each a letter, a digit or one of - . _ ~ + / ="
+            )
+        self.limits = _DEFAULT_LIMITS  # the protocol's bounds, per namespace
+        self._token = bearer_token
+        self._timeouts = (connect_timeout_s, timeout_s)
+        self._lock = threading.Lock()
+        self._bookmark: str | None = None
+        self._role: str | None = None
+
+    @classmethod
+    def from_config(cls, remote: RemoteConfig) -> RemoteStore:
+        return cls(remote.endpoint, remote.namespace, remote.bearer_token)
+
+    def __repr__(self) -> str:  # never the token
+        return f"RemoteStore({self.endpoint!r}, {self.namespace!r})"
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing to release: every request has its own connection."""
+
+    # -------------------------------------------------------------------- operations
+
+    def session(self) -> str:
+        """This credential's role, `reader` or `writer`, after checking that the server speaks
+        protocol 1 for this namespace (asked once per store)."""
+        if self._role is None:
+            answer = _exactly(
+                self._call("session", None), ("protocol_version", "namespace", "role")
+            )
+            if answer["protocol_version"] != 1 or type(answer["protocol_version"]) is not int:
+                raise RemoteDenied(_INCOMPATIBLE)
+            if answer["namespace"] != self.namespace:
+                raise RemoteDenied("remote memory namespace does not match the credential")
+            if answer["role"] not in ("reader", "writer"):
+                raise RemoteInvalid()
+            self._role = answer["role"]
+        return self._role
+
+    def scan(
+        self, query: str, *, limit: int = _DEFAULT_LIMITS.scan_results,
+        min_coverage: float = 0.0, now_ms: int | None = None,
+    ) -> ScanResult:  # fmt: skip
+        """Rank every visible namespace on the server; cards carry `RemoteKey`s."""
+        del now_ms  # the server keeps the time
+        terms, room = _scan_terms(query, self.limits), max(0, min(limit, self.limits.scan_results))
+        if _check_min_coverage(min_coverage):
+            raise InvalidRequest("min_coverage needs local memory (team memory sends no coverage)")
+        if not terms or not room:
+            return ScanResult(True, (), "no_terms" if not terms else "no_room")
+        self.session()
+        cards = _remote_cards(self._call("memories/scan", {"query": query, "limit": room}), room)
+        return ScanResult(not cards, cards, None if cards else "no_overlap")
+
+    def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
+        """Records of this namespace by id, in input order, missing ones omitted."""
+        del now_ms
+        return self._read(_read_ids(ids, self.limits), [])
+
+    def read_keys(self, keys: Iterable[RemoteKey]) -> tuple[Record, ...]:
+        """Records of any visible namespace by `RemoteKey`, each only at that exact version."""
+        named = _check_id_count(
+            list(itertools.islice(keys, _most_ids(self.limits) + 1)), self.limits
+        )
+        for key in named:
+            if not isinstance(key, RemoteKey) or not _addressable(key.id):
+                raise InvalidRequest("read_keys takes the RemoteKeys of scan cards or records")
+            _check_namespace(key.namespace)
+        return self._read([], list(dict.fromkeys(named)))
+
+    def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
+        """Add a conclusion to this namespace, or replace one of its records at `replace`."""
+        put = _check_put(content, replace, self.limits, _now_ms(now_ms))
+        self._own(replace)
+        self.session()
+        wire = None if replace is None else _wire_key(replace, self.namespace)
+        answer = self._call("memories/put", {"content": content, "replacement": wire})
+        return _remote_put(answer, put, self.namespace)
+
+    def delete(self, key: Key, *, now_ms: int | None = None) -> None:
+        """Delete this namespace's record at `key`; a record already gone is not an error."""
+        del now_ms
+        self._own(key)
+        self.session()
+        _exactly(self._call("memories/delete", {"key": _wire_key(key, self.namespace)}), ())
+
+    def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]:
+        """Every visible record of every namespace, by namespace and id (at most 512)."""
+        del now_ms
+        self.session()
+        return tuple(_remote_records(self._call("memories/list", None), self.limits.records))
+
+    def sync(self, records: Sequence[Record]) -> dict[str, int]:
+        """Make this namespace exactly `records` (local records, ids kept): `tactmem push`."""
+        if self.session() != "writer":
+            raise RemoteDenied("remote memory credential is read-only; push needs a writer")
+        snapshot = {"memories": [_wire_record(record) for record in records]}
+        return _remote_sync(self._call("memories/sync", snapshot), len(records))
+
+    def export(self, namespaces: Sequence[str] | None = None) -> Sequence[Record]:
+        """Every record of the chosen namespaces (None: all), page by page, at most 512
+        records and 256 KiB in all: `tactmem pull`."""
+        selected = None if namespaces is None else frozenset(map(_check_namespace, namespaces))
+        self.session()
+        records = list[Record]()
+        cursor: _Cursor | None = None
+        while True:
+            request = {
+                "namespaces": None if namespaces is None else sorted(selected or ()),
+                "cursor": None if cursor is None else {"namespace": cursor[0], "id": cursor[1]},
+                "limit": _EXPORT_PAGE,
+            }
+            page, cursor = _remote_page(
+                self._call("memories/export", request), selected, cursor, _EXPORT_PAGE
+            )
+            records += page
+            size = sum(len(record.content.encode()) for record in records)
+            if len(records) > self.limits.records or size > self.limits.total_content_bytes:
+                raise RemoteInvalid("remote memory export is larger than one store may hold")
+            if cursor is None:
+                return records
+
+    # -------------------------------------------------------------------- plumbing
+
+    def _own(self, key: Key | None) -> None:
+        if key is not None and getattr(key, "namespace", self.namespace) != self.namespace:
+            raise RemoteDenied("remote memory changes only its own namespace's records")
+
+    def _read(self, ids: Sequence[int], keys: Sequence[RemoteKey]) -> tuple[Record, ...]:
+        """Records by id and by exact key, in that order, each once; an answer may hold no
+        more records than its request named (the protocol takes 512 names a request)."""
+        most = self.limits.records
+        bodies: list[dict[str, list[Any]]] = [
+            {"ids": list(ids[i : i + most]), "keys": []} for i in range(0, len(ids), most)
+        ]
+        bodies += [
+            {"ids": [], "keys": [_wire_key(k, k.namespace) for k in keys[i : i + most]]}
+            for i in range(0, len(keys), most)
+        ]
+        if bodies:
+            self.session()
+        found = {
+            _where(record): record
+            for body in bodies
+            for record in _remote_records(
+                self._call("memories/read", body), len(body["ids"]) + len(body["keys"])
+            )
+        }
+        wanted: dict[_Cursor, int | None] = {(self.namespace, doc_id): None for doc_id in ids}
+        wanted.update({(key.namespace, key.id): key.version for key in keys})
+        return tuple(
+            found[place]
+            for place, version in wanted.items()
+            if place in found and version in (None, found[place].key.version)
+        )
+
+    def _call(self, route: str, body: object) -> Any:
+        """One request, with the retries its route allows; the decoded JSON answer."""
+        import json
+
+        data = None if route == "session" else json.dumps(body).encode()
+        with self._lock:
+            for backoff in _BACKOFFS_S:
+                try:
+                    status, retry_after, answer = self._exchange(route, data)
+                except _NotConnected:
+                    if backoff is None:
+                        raise RemoteUnavailable(
+                            "remote memory server could not be reached"
+                        ) from None
+                    time.sleep(backoff)
+                    continue
+                if 200 <= status < 300:
+                    try:
+                        return json.loads(answer, parse_constant=_reject_constant)
+                    except (ValueError, RecursionError):
+                        raise RemoteInvalid() from None
+                if status in _RETRIED and route in _REPEATABLE and backoff is not None:
+                    time.sleep(min(retry_after, _RETRY_AFTER_MOST_S) if retry_after else backoff)
+                    continue
+                raise _remote_failure(status, answer)
+        raise AssertionError("unreachable")  # the last attempt returns or raises
+
+    def _exchange(self, route: str, data: bytes | None) -> tuple[int, float | None, bytes]:
+        """Send one request on a new connection: the status, its `Retry-After` in seconds
+        (None if absent or not a number) and the body (at most `_ANSWER_BYTES`)."""
+        import http.client
+        import ssl
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(self.endpoint)
+        connect, total = self._timeouts
+        deadline = time.monotonic() + total
+        if parts.scheme == "https":
+            connection: http.client.HTTPConnection = http.client.HTTPSConnection(
+                parts.hostname or "", parts.port, timeout=connect,
+                context=ssl.create_default_context(),
+            )  # fmt: skip
+        else:
+            connection = http.client.HTTPConnection(
+                parts.hostname or "", parts.port, timeout=connect
+            )
+        headers = {
+            "authorization": f"Bearer {self._token}",
+            "x-tact-memory-namespace": self.namespace,
+            "accept": "application/json",
+            **({"content-type": "application/json"} if data is not None else {}),
+            **({_BOOKMARK: self._bookmark} if self._bookmark else {}),
+        }
+        try:
+            try:
+                connection.connect()
+            except ssl.SSLCertVerificationError:
+                raise RemoteUnavailable(
+                    "remote memory server's TLS certificate could not be verified"
+                ) from None
+            except OSError:
+                raise _NotConnected() from None
+            try:
+                sock = connection.sock
+                assert sock is not None
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+                path = parts.path.rstrip("/") + "/v1/" + route
+                connection.request("GET" if data is None else "POST", path, data, headers)
+                response = connection.getresponse()
+                answer = self._body(response, sock, deadline)
+            except (OSError, http.client.HTTPException):
+                raise RemoteUnavailable("remote memory request failed or timed out") from None
+            if 200 <= response.status < 300:
+                self._keep_bookmark(response.headers.get_all(_BOOKMARK) or [])
+            retry = response.headers.get("retry-after", "")
+            return response.status, float(retry) if retry.isdigit() else None, answer
+        finally:
+            connection.close()
+
+    @staticmethod
+    def _body(response: Any, sock: Any, deadline: float) -> bytes:
+        chunks, size = [], 0
+        while chunk := response.read1(65_536):
+            size += len(chunk)
+            if size > _ANSWER_BYTES:
+                raise RemoteInvalid("remote memory server's answer is larger than 8 MiB")
+            chunks.append(chunk)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError()
+            sock.settimeout(left)
+        return b"".join(chunks)
+
+    def _keep_bookmark(self, values: Sequence[str]) -> None:
+        if len(values) > 1 or any(len(value.encode()) > 4096 for value in values):
+            raise RemoteInvalid()
+        if values and values[0]:
+            self._bookmark = values[0]
 
 
 # ------------------------------------------------------------------------ MCP server
@@ -5192,7 +5887,7 @@ def _human(request: _Request, value: Any, now_ms: int) -> Iterator[str]:
                 yield f"{_ABSTENTIONS[value.reason]} (abstained)"
             for card in value.candidates:
                 key, text = card.key, _displayable(card.preview)
-                yield f"#{key.id} v{key.version}  {card.score:.3f}  {text}"
+                yield f"{_key_label(key)} v{key.version}  {card.score:.3f}  {text}"
         case "read":
             for record in value:
                 yield _record_heading(record, now_ms)
@@ -5346,6 +6041,11 @@ def _restore_command(store: Store, arguments: argparse.Namespace, _: Config | No
 
 
 def _browse_command(store: Backend, _: argparse.Namespace, config: Config | None) -> None:
+    if isinstance(store, RemoteStore):  # its reducer keys records by id, which namespaces share
+        raise TactmemError(
+            "tactmem browse shows local memory only, and this directory uses team memory;"
+            " use tactmem list, or run it outside the workspace roots"
+        )
     _browse(store, None if config is None else config.memory_enabled)  # the human is trusted
 
 
@@ -5386,7 +6086,82 @@ def _serve_lines(tool: MemoryTool) -> None:
         sys.stdout.flush()
 
 
-_Run = Callable[[Store, argparse.Namespace, Config | None], int | None]
+def _team(config: Config | None) -> RemoteConfig:
+    if config is None or config.remote is None:
+        where = "--db names no config" if config is None else f"add it to {config.path}"
+        raise ConfigError(f"remote memory is not configured ([memory.remote]; {where})")
+    return config.remote
+
+
+def _push_command(store: Store, arguments: argparse.Namespace, config: Config | None) -> None:
+    """`push [--dry-run]`: the local store's records become this namespace's whole snapshot
+    on the server; pushed again (at most 3 times) while the local store changes meanwhile."""
+    remote = _team(config)
+    records = store.list()
+    size = sum(len(record.content.encode()) for record in records)
+    if arguments.dry_run:
+        print(
+            _json({"dry_run": True, "records": len(records), "content_bytes": size})
+            if arguments.json
+            else f"Would push {len(records)} memories ({size} content bytes) as the complete"
+            f" snapshot for namespace `{remote.namespace}`; remote-only rows may be deleted."
+        )
+        return
+    with RemoteStore.from_config(remote) as team:
+        for _ in range(3):
+            report, current = team.sync(records), store.list()
+            if current == records:
+                counts = ", ".join(f"{report[name]} {name}" for name in _SYNC_COUNTS)
+                print(
+                    _json({"pushed": len(records), "namespace": remote.namespace, **report})
+                    if arguments.json
+                    else f"Pushed {len(records)} memories to namespace `{remote.namespace}`:"
+                    f" {counts}."
+                )
+                return
+            records = current
+    raise TactmemError(
+        "local memories kept changing while the remote snapshot was synchronized;"
+        " retry once writes settle"
+    )
+
+
+def _pull_command(store: Store, arguments: argparse.Namespace, config: Config | None) -> None:
+    """`pull --all | --namespace N ...`: merge the server's records into the local store as
+    `import` merges a file (`_plan_merge`: fresh ids, version 1, fresh probation)."""
+    if arguments.all == bool(arguments.namespace):
+        raise _UsageError("pull takes --all, or --namespace N (repeatable); exactly one of them")
+    with RemoteStore.from_config(_team(config)) as team:
+        records = team.export(None if arguments.all else arguments.namespace)
+    merged = store._merge_records(list(enumerate(records, 1)), False, _now_ms())
+    if arguments.json:
+        print(_json({"fetched": len(records), **attrs.asdict(merged)}))
+        return
+    names = "`, `".join(dict.fromkeys(arguments.namespace or ()))
+    selected = "all namespaces" if arguments.all else f"namespaces `{names}`"
+    print(
+        f"Pulled {selected}: {len(records)} fetched, {merged.inserted} inserted,"
+        f" {merged.skipped} skipped."
+    )
+
+
+# The commands that use team memory instead of the local store inside a workspace root.
+_ON_TEAM: Final = frozenset(("scan", "read", "put", "delete", "list", "browse", "tool", "mcp"))
+
+
+def _team_store(config: Config | None, command: str) -> RemoteStore | None:
+    """The remote store, when the config has one and the working directory is in its scope."""
+    if config is None or config.remote is None or command not in _ON_TEAM:
+        return None
+    return (
+        RemoteStore.from_config(config.remote)
+        if _in_workspace(config.remote, os.getcwd())
+        else None
+    )
+
+
+# A command's run takes a `Store`, or for the commands of `_ON_TEAM` any `Backend`.
+_Run = Callable[[Any, argparse.Namespace, Config | None], int | None]
 _NOTHING_FOUND: Final = 3  # the exit status of a scan, read, delete or replace that found nothing
 # Each command: its summary, and what it runs on the selected store (None: it needs none).
 _COMMANDS: Final[dict[str, tuple[str, _Run | None]]] = {
@@ -5405,6 +6180,8 @@ _COMMANDS: Final[dict[str, tuple[str, _Run | None]]] = {
     "browse": ("browse, read and delete memories in the terminal", _browse_command),
     "tool": ("serve the memory tool as JSON lines on stdin and stdout", _serve_command),
     "mcp": ("serve the memory tool over MCP stdio (needs tactmem[mcp])", _serve_command),
+    "push": ("replace this namespace on the team server with the local records", _push_command),
+    "pull": ("merge team memory into the local store, with fresh ids", _pull_command),
     "demo": ("run the whole contract on a throwaway store", None),
     "eval": ("score scenarios, or paired agent runs, against pre-registered thresholds", None),
 }
@@ -5449,6 +6226,11 @@ _ARGUMENTS: Final[dict[str, tuple[_Argument, ...]]] = {
     "restore": (_IMPORTED,),
     "tool": (_CHILD, _MIN_COVERAGE),
     "mcp": (_CHILD, _MIN_COVERAGE),
+    "push": ((("--dry-run",), {"action": "store_true", "help": "say what would be sent"}),),
+    "pull": (
+        (("--all",), {"action": "store_true", "help": "every namespace the token may read"}),
+        (("--namespace",), {"metavar": "N", "action": "append", "help": "one namespace (repeat)"}),
+    ),
     "eval": (
         (("files",), {"metavar": "FILE", "nargs": "*", "help": "scenario files (JSON lines)"}),
         (("--sweep",), {"action": "store_true", "help": "print the coverage trade-off"}),
@@ -5514,11 +6296,15 @@ def _run(arguments: argparse.Namespace) -> int:
     else:
         try:
             config = load_config(getattr(arguments, "config", None))
+            team = _team_store(config, arguments.command)
         except ConfigError as error:
             if arguments.command != "mcp":
                 raise
             _serve_mcp(None, error, root=not arguments.child)  # the host shows why
             return 0
+        if team is not None:  # never local memory instead: a failure is the answer
+            with team:
+                return run(team, arguments, config) or 0
         path = memory_db_path(config.path)
     with Store(path) as store:
         return run(store, arguments, config) or 0

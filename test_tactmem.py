@@ -3341,7 +3341,8 @@ def test_ref34_enabled_is_read_and_other_tables_are_ignored(tmp_path: Path) -> N
     [
         ("[memory]\nenabled = true\nenabeld = true\n", "unknown key in [memory] of"),
         ("[memory]\n'en abled' = true\n", "(a name that is not shown)"),
-        ("[memory]\nenabled = true\n[memory.remote]\nendpoint = 'x'\n", "[memory] of"),
+        # issue 17: [memory.remote] is read; given in part, it names what it needs
+        ("[memory]\nenabled = true\n[memory.remote]\nendpoint = 'x'\n", "[memory.remote] in"),
         ('[memory]\n"zorblax key!" = 1\n', "unknown key"),  # an odd key is not echoed
         ('[memory]\nenabled = "true"\n', "memory.enabled in"),
         ("[memory]\nenabled = 1\n", "memory.enabled in"),
@@ -5829,6 +5830,675 @@ def test_case_blind_shapes_are_written_in_lower_case() -> None:
     for name, _, _, source, flags, _ in (*tactmem._CREDENTIAL_SHAPES, *tactmem._TOKEN_SHAPES):
         if flags & re.IGNORECASE:
             assert not re.search(r"(?<!\\)[A-Z]", source.replace("A-Za-z", "")), name
+
+
+# ============================================================================ team memory
+# The client half: `RemoteStore`, `[memory.remote]`, the store the command line chooses, `push`
+# and `pull`, against the real `tactmem-server` (server/) on 127.0.0.1 over an SQLite file, and
+# against a hostile stub server for the answers a real server never gives.
+
+ALICE_TOKEN = "alice-client-token-0000000001"
+BOB_TOKEN = "bob-client-token-000000000002"
+READER_TOKEN = "reader-client-token-00000003"
+TEAM_CREDENTIALS = "".join(
+    f'[[credentials]]\nnamespace = "{namespace}"\nrole = "{role}"\ntoken = "{token}"\n\n'
+    for namespace, role, token in (
+        ("alice", "writer", ALICE_TOKEN), ("bob", "writer", BOB_TOKEN),
+        ("reader", "reader", READER_TOKEN),
+    )
+)  # fmt: skip
+
+
+class TeamServer:
+    """`tactmem-server --sqlite` as a subprocess on a free port of 127.0.0.1."""
+
+    def __init__(self, directory: Path) -> None:
+        credentials = directory / "credentials.toml"
+        credentials.write_text(TEAM_CREDENTIALS)
+        credentials.chmod(0o600)
+        command = [
+            sys.executable, "-m", "tactmem_server", "--sqlite", str(directory / "team.sqlite3"),
+            "--credentials", str(credentials), "--port", "0",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        assert self.process.stderr is not None
+        for line in self.process.stderr:  # the first line says where it listens
+            if '"event":"listening"' in line:
+                self.url = json.loads(line)["url"]
+                break
+        else:
+            raise AssertionError("tactmem-server did not start")
+        threading.Thread(target=self.process.stderr.read, daemon=True).start()
+
+    def store(self, namespace: str = "alice", **options: Any) -> tactmem.RemoteStore:
+        tokens = {"alice": ALICE_TOKEN, "bob": BOB_TOKEN, "reader": READER_TOKEN}
+        return tactmem.RemoteStore(self.url, namespace, tokens[namespace], **options)
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait(30)
+
+
+@pytest.fixture
+def team(tmp_path: Path) -> Iterator[TeamServer]:
+    server = TeamServer(tmp_path)
+    yield server
+    server.stop()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_remote_store_round_trip_across_namespaces(team: TeamServer) -> None:
+    alice, bob = team.store("alice"), team.store("bob")
+    first = alice.put("In ledgerline, releases are tagged by CI, never by hand.")
+    assert first.key == tactmem.RemoteKey(1, 1, "alice")
+    bob.put("In ledgerline, the staging database listens on port 5433.")
+    result = bob.scan("ledgerline releases tagged")
+    assert result.candidates[0].key == first.key  # alice's, seen by bob
+    assert all(card.coverage == 0.0 for card in result.candidates)
+    assert bob.read([1])[0].key.namespace == "bob"  # type: ignore[attr-defined]
+    (shared,) = bob.read_keys([first.key])
+    assert shared.content == first.content and shared.use_count == 1
+    assert bob.read_keys([tactmem.RemoteKey(1, 2, "alice")]) == ()  # only that exact version
+    with pytest.raises(tactmem.RemoteDenied, match="own namespace"):
+        bob.put("Another text", replace=first.key)  # refused before anything is sent
+    replaced = alice.put(
+        "In ledgerline, releases are tagged by the release job.", replace=first.key
+    )
+    assert replaced.key == tactmem.RemoteKey(1, 2, "alice")
+    with pytest.raises(Conflict):
+        alice.put("A stale replace", replace=first.key)
+    with pytest.raises(Duplicate):
+        alice.put("in LEDGERLINE, releases are tagged by the release job.")
+    assert [(r.key.namespace, r.key.id) for r in alice.list()] == [("alice", 1), ("bob", 1)]  # type: ignore[attr-defined]
+    with pytest.raises(Conflict):
+        alice.delete(first.key)
+    alice.delete(replaced.key)
+    alice.delete(replaced.key)  # the protocol's delete of an absent record succeeds
+    assert [r.key for r in bob.list()] == [tactmem.RemoteKey(1, 1, "bob")]
+    assert bob.scan("kubernetes helm").reason == "no_overlap"
+
+
+def test_remote_store_reader_role_and_session(team: TeamServer) -> None:
+    team.store("alice").put("The team prefers small, reviewable commits.")
+    reader = team.store("reader")
+    assert reader.session() == "reader"
+    assert reader.scan("reviewable commits").candidates[0].key.namespace == "alice"  # type: ignore[attr-defined]
+    with pytest.raises(tactmem.RemoteDenied, match="read-only"):
+        reader.put("A reader may not write.")
+    with pytest.raises(tactmem.RemoteDenied, match="read-only"):
+        reader.sync([])
+    wrong = tactmem.RemoteStore(team.url, "bob", ALICE_TOKEN)  # alice's token, bob's name
+    with pytest.raises(tactmem.RemoteDenied, match="namespace does not match") as caught:
+        wrong.list()
+    stranger = tactmem.RemoteStore(team.url, "alice", "not-a-known-token-000000")
+    with pytest.raises(tactmem.RemoteDenied, match="bearer token") as refused:
+        stranger.scan("commits")
+    for error in (caught.value, refused.value):
+        assert ALICE_TOKEN not in str(error) and "not-a-known" not in str(error)
+
+
+def test_remote_store_checks_input_before_any_request() -> None:
+    nowhere = tactmem.RemoteStore(f"http://127.0.0.1:{free_port()}", "alice", ALICE_TOKEN)
+    started = time.monotonic()
+    for call, error in (
+        (lambda: nowhere.put("   "), EmptyContent),
+        (lambda: nowhere.put("x" * 1025), ContentTooLarge),
+        (lambda: nowhere.put("The staging password = hunter22"), SecretRejected),
+        (lambda: nowhere.scan("q" * 513), QueryTooLarge),
+        (lambda: nowhere.read(range(1, 1100)), tactmem.InvalidRequest),
+        (lambda: nowhere.scan("q", min_coverage=0.5), tactmem.InvalidRequest),
+        (lambda: nowhere.delete(tactmem.RemoteKey(1, 1, "bob")), tactmem.RemoteDenied),
+    ):
+        with pytest.raises(error):
+            call()
+    assert time.monotonic() - started < 0.2  # no attempt, no backoff: nothing was sent
+    assert nowhere.scan("?!").reason == "no_terms" and nowhere.read([]) == ()
+    with pytest.raises(tactmem.RemoteUnavailable, match="could not be reached"):
+        nowhere.scan("releases")  # three attempts, 100 and 250 ms apart
+
+
+def test_remote_store_meets_the_namespace_bounds(team: TeamServer) -> None:
+    alice, bob = team.store("alice"), team.store("bob")
+    for number in range(256):  # 256 records of 1,024 bytes fill the 262,144 content bytes
+        alice.put(f"note {number:04d} " + "lorem ipsum " * 84 + "x" * 6)
+    with pytest.raises(ContentCapacity):
+        alice.put("one more conclusion")
+    bob.put("bob's namespace has its own bounds")  # per namespace
+    assert len(alice.list()) == 257
+
+
+def test_memory_tool_over_a_remote_store(team: TeamServer) -> None:
+    root, child = (
+        MemoryTool(team.store("alice"), root=True),
+        MemoryTool(team.store("bob"), root=False),
+    )
+    assert root.call({"operation": "put", "content": "x"})["error"]["code"] == "scan_required"
+    root.call({"operation": "scan", "query": "ledgerline"})
+    stored = root.call({"operation": "put", "content": "In ledgerline, run `make check` first."})
+    assert stored["memory"]["key"] == {"id": 1, "version": 1, "namespace": "alice"}
+    scan = child.call({"operation": "scan", "query": "ledgerline make check"})
+    assert scan["candidates"][0]["key"] == {"id": 1, "version": 1, "namespace": "alice"}
+    assert child.call({"operation": "delete", "id": 1, "version": 1})["error"]["code"] == "not_root"
+    assert root.call({"operation": "read", "ids": [1]})["memories"][0]["use_count"] == 1
+    root.call({"operation": "scan", "query": "aws key"})
+    secret = root.call({"operation": "put", "content": "AWS key AKIAIOSFODNN7EXAMPLE here"})
+    assert secret["error"]["code"] == "secret_rejected"
+    schema = tactmem.tool_definition()["output_schema"]
+    for answer in (stored, scan, root.call({"operation": "read", "ids": [1]}), secret):
+        jsonschema.validate(answer, schema)  # namespaced keys are in the tool's own schema
+
+
+# ------------------------------------------------------------------------ hostile answers
+
+
+class StubServer:
+    """A tiny HTTP server on 127.0.0.1 that answers each route as a test says: (status,
+    headers, body) or a callable of the request body; it counts the requests of each route."""
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        import http.server
+
+        self.answers, self.hits = answers, Counter[str]()
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def answer(self) -> None:
+                route = self.path.removeprefix("/v1/")
+                length = int(self.headers.get("content-length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                stub.hits[route] += 1
+                found = stub.answers.get(route, (404, {}, b""))
+                status, headers, data = found(body) if callable(found) else found
+                if isinstance(data, (dict, list)):
+                    data = json.dumps(data).encode()
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                with contextlib.suppress(OSError):
+                    self.wfile.write(data)
+
+            do_GET = do_POST = answer
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def store(self, **options: Any) -> tactmem.RemoteStore:
+        return tactmem.RemoteStore(self.url, "alice", ALICE_TOKEN, **options)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+SESSION: Any = (200, {}, {"protocol_version": 1, "namespace": "alice", "role": "writer"})
+HOSTILE = "hostile-content-that-must-never-be-echoed"
+
+
+def wire(doc_id: int, content: Any = HOSTILE, namespace: str = "alice", **fields: Any) -> Any:
+    return {
+        "key": {"id": doc_id, "version": 1, "namespace": namespace}, "content": content,
+        "created_at_ms": 5, "updated_at_ms": 5, "last_scanned_at_ms": None, "scan_count": 0,
+        "last_used_at_ms": None, "use_count": 0, "probation_until_ms": None, **fields,
+    }  # fmt: skip
+
+
+def card(doc_id: int, score: Any = 1.0, preview: Any = "a preview", **key: Any) -> Any:
+    return {"key": {"id": doc_id, "version": 1, "namespace": "alice", **key},
+            "preview": preview, "score": score}  # fmt: skip
+
+
+def scan_of(*cards: Any) -> Any:
+    return {"candidates": list(cards)}
+
+
+# Answers a client must refuse: (route, the answer, how the store is called).
+REFUSED: list[tuple[str, Any, Callable[[tactmem.RemoteStore], object]]] = [
+    ("memories/scan", (200, {}, b"{not json"), lambda s: s.scan("q", limit=2)),
+    ("memories/scan", (200, {}, b"[]"), lambda s: s.scan("q", limit=2)),
+    (
+        "memories/scan",
+        (200, {}, scan_of(card(1), card(2), card(3))),
+        lambda s: s.scan("q", limit=2),
+    ),
+    ("memories/scan", (200, {}, scan_of(card(1, preview="é" * 33))), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, scan_of(card(1, score="1.0"))), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, scan_of(card(1, score=-1))), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, scan_of(card(1, 1.0), card(2, 2.0))), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, scan_of(card(1), card(1))), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, scan_of(card(1, id=True))), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, scan_of(card(1, namespace="a b"))), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, {"candidates": [], "extra": 1}), lambda s: s.scan("q")),
+    (
+        "memories/list",
+        (200, {}, {"memories": [wire(i) for i in range(1, 514)]}),
+        lambda s: s.list(),
+    ),
+    ("memories/list", (200, {}, {"memories": [wire(1), wire(1)]}), lambda s: s.list()),
+    ("memories/list", (200, {}, {"memories": [wire(1, scan_count="0")]}), lambda s: s.list()),
+    ("memories/list", (200, {}, {"memories": [wire(1, content=7)]}), lambda s: s.list()),
+    ("memories/list", (200, {}, {"memories": [{**wire(1), "more": 1}]}), lambda s: s.list()),
+    ("memories/read", (200, {}, {"memories": [wire(1), wire(2)]}), lambda s: s.read([1])),
+    ("memories/put", (200, {}, {"memory": wire(1, "other content")}), lambda s: s.put(HOSTILE)),
+    ("memories/put", (200, {}, {"memory": wire(1, namespace="bob")}), lambda s: s.put(HOSTILE)),
+    (
+        "memories/put",
+        (200, {}, {"memory": {**wire(1), "key": {"id": 1, "version": 2, "namespace": "alice"}}}),
+        lambda s: s.put(HOSTILE),
+    ),
+    ("memories/put", (200, {}, {"memory": wire(1, "x" * 1025)}), lambda s: s.put(HOSTILE)),
+    (
+        "memories/sync",
+        (200, {}, {"inserted": 2, "replaced": 0, "unchanged": 0, "deleted": 0}),
+        lambda s: s.sync([]),
+    ),
+    (
+        "memories/sync",
+        (200, {}, {"inserted": 0, "replaced": 0, "unchanged": 0, "deleted": 513}),
+        lambda s: s.sync([]),
+    ),
+    (
+        "memories/export",
+        (200, {}, {"memories": [wire(2), wire(1)], "next_cursor": None}),
+        lambda s: s.export(),
+    ),
+    (
+        "memories/export",
+        (200, {}, {"memories": [wire(1)], "next_cursor": {"namespace": "alice", "id": 2}}),
+        lambda s: s.export(),
+    ),
+    (
+        "memories/export",
+        (200, {}, {"memories": [wire(1, namespace="bob")], "next_cursor": None}),
+        lambda s: s.export(["alice"]),
+    ),
+    (
+        "memories/export",
+        (200, {}, {"memories": [], "next_cursor": {"namespace": "a", "id": 1}}),
+        lambda s: s.export(),
+    ),
+    (
+        "memories/export",
+        (200, {}, {"memories": [wire(1, "   ")], "next_cursor": None}),
+        lambda s: s.export(),
+    ),
+    ("memories/list", (200, {}, b"[" * 100_000), lambda s: s.list()),
+    ("memories/list", (200, {}, b" " * (8 << 20) + b"{}"), lambda s: s.list()),
+    (
+        "memories/list",
+        (200, {"x-tact-memory-bookmark": "b" * 4097}, {"memories": []}),
+        lambda s: s.list(),
+    ),
+    (
+        "session",
+        (200, {}, {"protocol_version": 2, "namespace": "alice", "role": "writer"}),
+        lambda s: s.session(),
+    ),
+    (
+        "session",
+        (200, {}, {"protocol_version": 1, "namespace": "bob", "role": "writer"}),
+        lambda s: s.session(),
+    ),
+    (
+        "session",
+        (200, {}, {"protocol_version": 1, "namespace": "alice", "role": "owner"}),
+        lambda s: s.session(),
+    ),
+    ("memories/scan", (200, {}, scan_of(card(1, score=10**400))), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, b'{"candidates": [{"score": NaN}]}'), lambda s: s.scan("q")),
+    ("memories/list", (409, {}, {"code": ["conflict"]}), lambda s: s.list()),
+    ("memories/list", (404, {}, b""), lambda s: s.list()),
+    ("memories/list", (400, {}, b"<html>" + HOSTILE.encode()), lambda s: s.list()),
+]
+
+
+@pytest.mark.parametrize(("route", "answer", "call"), REFUSED)
+def test_remote_store_refuses_answers_outside_the_protocol(
+    route: str, answer: Any, call: Callable[[tactmem.RemoteStore], object]
+) -> None:
+    stub = StubServer({"session": SESSION, route: answer})
+    try:
+        with pytest.raises(tactmem.RemoteError) as caught:
+            call(stub.store())
+        message = str(caught.value)
+        assert message and HOSTILE not in message and ALICE_TOKEN not in message
+        assert "Traceback" not in message
+    finally:
+        stub.close()
+
+
+def test_remote_store_drops_secret_shaped_and_unsound_records() -> None:
+    secret = "deploy with AKIAIOSFODNN7EXAMPLE"
+    stub = StubServer({
+        "session": SESSION,
+        "memories/list": (200, {}, {"memories": [
+            wire(1, "a note"), wire(2, secret), wire(3, "later", created_at_ms=9, updated_at_ms=8)
+        ]}),
+        "memories/scan": (200, {}, scan_of(card(1, 2.0), card(2, 1.0, preview=secret[:40]))),
+        "memories/export": (200, {}, {"memories": [wire(1, "a note"), wire(2, secret)],
+                                      "next_cursor": None}),
+    })  # fmt: skip
+    try:
+        store = stub.store()
+        assert [r.key.id for r in store.list()] == [1]
+        assert [c.key.id for c in store.scan("note").candidates] == [1]
+        assert [r.content for r in store.export()] == ["a note"]
+    finally:
+        stub.close()
+
+
+def test_remote_store_retries_as_the_original_client() -> None:
+    unavailable = (503, {"retry-after": "0"}, {"code": "unavailable"})
+    stub = StubServer(
+        {"session": SESSION, "memories/list": unavailable, "memories/scan": unavailable}
+    )
+    try:
+        store = stub.store()
+        with pytest.raises(tactmem.RemoteUnavailable):
+            store.list()  # safe to repeat: three attempts
+        with pytest.raises(tactmem.RemoteUnavailable):
+            store.scan("q")  # not repeated after the server saw it
+        assert (stub.hits["memories/list"], stub.hits["memories/scan"]) == (3, 1)
+        stub.answers["memories/list"] = (lambda answers: lambda _: next(answers))(
+            iter([unavailable, (200, {"x-tact-memory-bookmark": "bm-1"}, {"memories": []})])
+        )
+        assert store.list() == ()  # the second attempt succeeds
+        stub.answers["memories/scan"] = (409, {}, {"code": "conflict"})
+        with pytest.raises(Conflict):
+            store.scan("q")
+    finally:
+        stub.close()
+
+
+def test_remote_store_times_out() -> None:
+    def slow(_: object) -> tuple[int, dict[str, str], Any]:
+        time.sleep(1.5)
+        return 200, {}, {"memories": []}
+
+    stub = StubServer({"session": SESSION, "memories/read": slow})
+    try:
+        started = time.monotonic()
+        with pytest.raises(tactmem.RemoteUnavailable, match="timed out"):
+            stub.store(timeout_s=0.3).read([1])
+        assert time.monotonic() - started < 1.4  # it did not wait for the answer
+    finally:
+        stub.close()
+
+
+def test_remote_store_verifies_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server whose certificate no trusted authority signed is refused, before any request;
+    once the certificate is trusted (`SSL_CERT_FILE`, read by the default context), it works."""
+    import ssl
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+         "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key),
+         "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    stub = StubServer({"session": SESSION, "memories/list": (200, {}, {"memories": []})})
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    stub.server.socket = context.wrap_socket(stub.server.socket, server_side=True)
+    try:
+        secure = tactmem.RemoteStore(stub.url.replace("http:", "https:"), "alice", ALICE_TOKEN)
+        with pytest.raises(tactmem.RemoteUnavailable, match="TLS certificate"):
+            secure.list()
+        assert sum(stub.hits.values()) == 0
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        assert secure.list() == () and stub.hits["memories/list"] == 1
+    finally:
+        stub.close()
+
+
+def test_remote_store_endpoint_rules() -> None:
+    for endpoint in ("http://team.example.com", "ftp://127.0.0.1", "https://user:pw@host/",
+                     "https://", "not a url", "https://host:port/"):  # fmt: skip
+        with pytest.raises(ConfigError):
+            tactmem.RemoteStore(endpoint, "alice", ALICE_TOKEN)
+    for endpoint in ("https://team.example.com/memory", "http://localhost:8420", "http://[::1]:1"):
+        assert tactmem.RemoteStore(endpoint, "alice", ALICE_TOKEN).endpoint.endswith("/")
+    with pytest.raises(ConfigError):
+        tactmem.RemoteStore("https://team.example.com", "a b", ALICE_TOKEN)
+    with pytest.raises(ConfigError) as bad_token:
+        tactmem.RemoteStore("https://team.example.com", "alice", "token\nx-injected: 1")
+    assert "injected" not in str(bad_token.value)
+    assert ALICE_TOKEN not in repr(tactmem.RemoteStore("https://h", "alice", ALICE_TOKEN))
+
+
+# ------------------------------------------------------------------------ config and command line
+
+
+def team_config(directory: Path, url: str, roots: Sequence[str], **remote: Any) -> Path:
+    values = {"endpoint": url, "namespace": "alice", "bearer_token": ALICE_TOKEN,
+              "workspace_roots": list(roots), **remote}  # fmt: skip
+    lines = "".join(f"{name} = {json.dumps(value)}\n" for name, value in values.items())
+    path = directory / "config.toml"
+    path.write_text(f"[memory]\nenabled = true\n\n[memory.remote]\n{lines}")
+    path.chmod(0o600)
+    return path
+
+
+def test_remote_config_is_read_strictly(tmp_path: Path) -> None:
+    (tmp_path / "work").mkdir()
+    path = team_config(tmp_path, "https://team.example.com", ["work"])
+    remote = load_config(path).remote
+    assert remote is not None and remote.workspace_roots == (str(tmp_path / "work"),)
+    assert ALICE_TOKEN not in repr(load_config(path))
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="0o644") as insecure:
+        load_config(path)
+    assert ALICE_TOKEN not in str(insecure.value)
+    for remote_keys, wanted in (
+        ({"colour": "blue"}, "unknown key"),
+        ({"bearer_token": ""}, "needs an endpoint"),
+        ({"workspace_roots": []}, "needs an endpoint"),
+        ({"workspace_roots": "work"}, "list of paths"),
+        ({"endpoint": "http://team.example.com"}, "https"),
+        ({"namespace": "al ice"}, "namespace"),
+    ):
+        bad = team_config(tmp_path, "https://team.example.com", ["work"], **remote_keys)
+        with pytest.raises(ConfigError, match=wanted) as caught:
+            load_config(bad)
+        assert ALICE_TOKEN not in str(caught.value)
+    empty = tmp_path / "empty.toml"
+    empty.write_text('[memory.remote]\nendpoint = ""\nworkspace_roots = []\n')
+    assert load_config(empty).remote is None  # all empty: no team memory, as the original
+
+
+def run_in(
+    cwd: Path, config: Path, *argv: str, stdin: bytes = b""
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tactmem", "--config", str(config), *argv], input=stdin.decode(),
+        capture_output=True, cwd=cwd, env=subprocess_env(), timeout=60, text=True,
+    )  # fmt: skip
+
+
+def test_cli_uses_team_memory_inside_a_workspace_root(team: TeamServer, tmp_path: Path) -> None:
+    work, elsewhere = tmp_path / "work" / "repo", tmp_path / "elsewhere"
+    work.mkdir(parents=True)
+    elsewhere.mkdir()
+    config = team_config(tmp_path, team.url, ["work"])
+    local_db = Path(memory_db_path(config))
+    done = run_in(work, config, "put", "In ledgerline, CI tags the releases.")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "stored #1 v1\n", "")
+    assert not local_db.exists()  # it went to the team server
+    assert run_in(work, config, "list").stdout.startswith("alice#1 v1 · updated")
+    assert run_in(work, config, "scan", "ledgerline").stdout.startswith("alice#1 v1  ")
+    browse = run_in(work, config, "browse")
+    assert browse.returncode == 1 and "team memory" in browse.stderr
+    listed = json.loads(run_in(work, config, "--json", "list").stdout)
+    assert listed["memories"][0]["key"] == {"id": 1, "version": 1, "namespace": "alice"}
+    assert [r.content for r in team.store("bob").list()] == ["In ledgerline, CI tags the releases."]
+    outside = run_in(elsewhere, config, "put", "A local conclusion, kept on this machine.")
+    assert outside.returncode == 0 and local_db.exists()
+    assert len(team.store("bob").list()) == 1
+    tool = run_in(
+        work, config, "tool", stdin=json_lines({"operation": "scan", "query": "ledgerline"})
+    )
+    assert json.loads(tool.stdout)["candidates"][0]["key"]["namespace"] == "alice"
+    with Store(local_db) as local:
+        kept = local.list()
+    team.stop()  # unreachable: an error, never the local store instead
+    failed = run_in(work, config, "scan", "ledgerline")
+    assert failed.returncode == 1 and "could not be reached" in failed.stderr
+    assert "Traceback" not in failed.stderr and ALICE_TOKEN not in failed.stderr
+    answer = json.loads(run_in(work, config, "--json", "scan", "local conclusion").stdout)
+    assert answer["error"]["code"] == "remote_unavailable"
+    assert run_in(work, config, "put", "Not stored anywhere.").returncode == 1
+    with Store(local_db) as local:
+        assert local.list() == kept  # not a scan's, not a put's telemetry: untouched
+
+
+def test_mcp_inside_a_workspace_root_serves_team_memory(team: TeamServer, tmp_path: Path) -> None:
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    (tmp_path / "work").mkdir()
+    config = team_config(tmp_path, team.url, ["work"])
+    team.store("bob").put("Bob: the MCP server on the team box speaks protocol v1.")
+    parameters = StdioServerParameters(
+        command=sys.executable, args=["-m", "tactmem", "--config", str(config), "mcp"],
+        cwd=str(tmp_path / "work"), env=subprocess_env(),
+    )  # fmt: skip
+
+    async def session() -> list[Any]:
+        async with Client(parameters) as client:
+            calls = [
+                {"operation": "scan", "query": "mcp team box"},
+                {"operation": "put", "content": "Alice: team memory reaches agents over MCP."},
+            ]
+            return [await client.call_tool("memory", call) for call in calls]
+
+    scan, put = asyncio.run(asyncio.wait_for(session(), 60))
+    assert scan.structured_content["candidates"][0]["key"]["namespace"] == "bob"
+    assert put.structured_content["memory"]["key"] == {"id": 1, "version": 1, "namespace": "alice"}
+    assert not Path(memory_db_path(config)).exists()  # nothing went to a local store
+
+
+def test_cli_workspace_roots_take_in_linked_git_worktrees(tmp_path: Path) -> None:
+    repo, linked = tmp_path / "roots" / "repo", tmp_path / "linked"
+    repo.mkdir(parents=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"]
+    subprocess.run([*git, "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "-C", str(repo), "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    subprocess.run([*git, "-C", str(repo), "worktree", "add", "-q", str(linked)], check=True)
+    remote = tactmem.RemoteConfig("https://h/", "alice", ALICE_TOKEN, (str(tmp_path / "roots"),))
+    assert tactmem._in_workspace(remote, str(repo / "sub"))
+    assert tactmem._in_workspace(remote, str(linked))  # a worktree of a repository in a root
+    assert not tactmem._in_workspace(remote, str(tmp_path))
+    missing = attrs.evolve(remote, workspace_roots=(str(tmp_path / "gone"),))
+    with pytest.raises(ConfigError, match="not a directory"):
+        tactmem._in_workspace(missing, str(tmp_path))
+
+
+def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
+    (tmp_path / "work").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    config = team_config(tmp_path, team.url, ["work"])
+    with Store(memory_db_path(config)) as local:
+        first = local.put("In ledgerline, CI tags the releases.")
+        local.put("The user prefers small, reviewable commits.")
+    team.store("alice").put("A server-only row that push deletes.")
+    dry = run_in(elsewhere, config, "push", "--dry-run")
+    assert dry.stdout == (
+        "Would push 2 memories (79 content bytes) as the complete snapshot for namespace"
+        " `alice`; remote-only rows may be deleted.\n"  # 36 + 43 bytes
+    )
+    assert len(team.store("bob").list()) == 1  # a dry run sends nothing
+    pushed = run_in(elsewhere, config, "push")
+    assert pushed.stdout == (
+        "Pushed 2 memories to namespace `alice`: 1 inserted, 1 replaced, 0 unchanged, 0 deleted.\n"
+    ), pushed.stderr
+    assert [(r.key.id, r.content) for r in team.store("bob").list()] == [
+        (1, first.content),
+        (2, "The user prefers small, reviewable commits."),
+    ]
+    again = json.loads(run_in(elsewhere, config, "--json", "push").stdout)
+    assert again == {"pushed": 2, "namespace": "alice", "inserted": 0, "replaced": 0,
+                     "unchanged": 2, "deleted": 0}  # fmt: skip
+    team.store("bob").put("Bob: the staging database listens on port 5433.")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "work").mkdir()
+    pull_config = team_config(other, team.url, ["work"])
+    with Store(memory_db_path(pull_config)) as theirs:
+        theirs.put("the user prefers SMALL, reviewable commits.")  # held: skipped
+    pulled = run_in(elsewhere, pull_config, "pull", "--all")
+    assert pulled.stdout == "Pulled all namespaces: 3 fetched, 2 inserted, 1 skipped.\n"
+    with Store(memory_db_path(pull_config)) as theirs:
+        records = theirs.list()
+    assert [r.key for r in records] == [Key(1, 1), Key(2, 1), Key(3, 1)]  # fresh local ids
+    assert all(r.probation_until_ms is not None and r.use_count == 0 for r in records)
+    some = run_in(elsewhere, pull_config, "pull", "--namespace", "bob")
+    assert some.stdout == "Pulled namespaces `bob`: 1 fetched, 0 inserted, 1 skipped.\n"
+    for argv in (("pull",), ("pull", "--all", "--namespace", "bob")):
+        usage = run_in(elsewhere, pull_config, *argv)
+        assert usage.returncode == 2 and "exactly one" in usage.stderr
+    bad = run_in(elsewhere, pull_config, "pull", "--namespace", "no spaces")
+    assert bad.returncode == 1 and "namespace" in bad.stderr
+
+
+def test_push_reconciles_local_writes_that_race_the_snapshot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The original's `push_reconciles_a_local_write_that_races_the_first_snapshot`: a write
+    to the local store during the sync is pushed by a second pass; a store that keeps changing
+    fails after three."""
+    (tmp_path / "work").mkdir()
+    snapshots: list[int] = []
+    racing, written = [1], itertools.count(1)  # how many syncs write a local record meanwhile
+
+    def sync(body: Any) -> tuple[int, dict[str, str], Any]:
+        snapshots.append(len(body["memories"]))
+        if len(snapshots) <= racing[0]:
+            with Store(memory_db_path(config)) as local:
+                local.put(f"A conclusion written during sync number {next(written)}.")
+        counts = {"inserted": len(body["memories"]), "replaced": 0, "unchanged": 0, "deleted": 0}
+        return 200, {}, counts
+
+    stub = StubServer({"session": SESSION, "memories/sync": sync})
+    try:
+        config = team_config(tmp_path, stub.url, ["work"])
+        with Store(memory_db_path(config)) as local:
+            local.put("The first local conclusion.")
+        status, out, _ = run_cli(capsys, "--config", str(config), "push")
+        assert (status, snapshots) == (0, [1, 2])
+        assert out.startswith("Pushed 2 memories to namespace `alice`: 2 inserted, 0 replaced")
+        snapshots.clear()
+        racing[0] = 3
+        status, _, err = run_cli(capsys, "--config", str(config), "push")
+        assert (status, snapshots) == (1, [2, 3, 4])
+        assert "kept changing" in err
+    finally:
+        stub.close()
+
+
+def test_push_needs_a_writer_and_a_configured_remote(team: TeamServer, tmp_path: Path) -> None:
+    (tmp_path / "work").mkdir()
+    config = team_config(tmp_path, team.url, ["work"], namespace="reader",
+                         bearer_token=READER_TOKEN)  # fmt: skip
+    denied = run_in(tmp_path, config, "push")
+    assert denied.returncode == 1 and "read-only" in denied.stderr
+    plain = tmp_path / "plain.toml"
+    plain.write_text("[memory]\nenabled = true\n")
+    missing = run_in(tmp_path, plain, "pull", "--all")
+    assert missing.returncode == 1 and "not configured" in missing.stderr
 
 
 # ============================================================================ agent hosts
