@@ -4084,15 +4084,17 @@ def _storage_error(error: sqlite3.Error) -> TactmemError:
     return StorageError(f"memory storage operation failed ({name or type(error).__name__})")
 
 
-def _begin_immediate(connection: sqlite3.Connection) -> None:
-    """`BEGIN IMMEDIATE`, retrying every millisecond for up to the busy timeout.
+def _begin_immediate(connection: sqlite3.Connection, deadline: float | None = None) -> None:
+    """`BEGIN IMMEDIATE`, retrying every millisecond until `deadline` (`time.monotonic()`;
+    the busy timeout from now when None).
 
     SQLite's own busy handler backs off to 100 ms sleeps, so under steady contention a waiting
     writer keeps missing the short gaps between other writers' transactions and can starve
     past the timeout. Polling briefly gives every process a fair chance at the write lock.
-    Inside the transaction the ordinary busy timeout applies again (for COMMIT).
+    Inside the transaction the busy timeout applies again (for COMMIT): the ordinary one, or
+    what is left before `deadline`.
     """
-    deadline = time.monotonic() + _BUSY_TIMEOUT_S
+    end = time.monotonic() + _BUSY_TIMEOUT_S if deadline is None else deadline
     connection.execute("PRAGMA busy_timeout = 0")
     try:
         while True:
@@ -4101,11 +4103,12 @@ def _begin_immediate(connection: sqlite3.Connection) -> None:
                 return
             except sqlite3.OperationalError as error:
                 busy = getattr(error, "sqlite_errorname", "").startswith("SQLITE_BUSY")
-                if not busy or time.monotonic() >= deadline:
+                if not busy or time.monotonic() >= end:
                     raise
             time.sleep(0.001)
     finally:
-        connection.execute(f"PRAGMA busy_timeout = {int(_BUSY_TIMEOUT_S * 1000)}")
+        left = _BUSY_TIMEOUT_S if deadline is None else max(0.001, end - time.monotonic())
+        connection.execute(f"PRAGMA busy_timeout = {int(left * 1000)}")
 
 
 def _file_identity(path: str) -> tuple[int, int] | None:

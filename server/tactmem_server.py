@@ -606,7 +606,7 @@ class SqliteEngine:
             raise tactmem.StoreBusy()
         try:
             connection = self._connection
-            self._begin(connection, deadline)
+            tactmem._begin_immediate(connection, deadline)
             try:
                 yield _SqliteTx(connection)
                 connection.execute("COMMIT")
@@ -618,23 +618,6 @@ class SqliteEngine:
             raise tactmem._storage_error(error) from None
         finally:
             self._lock.release()
-
-    @staticmethod
-    def _begin(connection: sqlite3.Connection, deadline: float) -> None:
-        """`BEGIN IMMEDIATE`, polling every millisecond until the deadline (see tactmem's
-        `_begin_immediate`: SQLite's own busy handler starves a waiting writer)."""
-        connection.execute("PRAGMA busy_timeout = 0")
-        while True:
-            try:
-                connection.execute("BEGIN IMMEDIATE")
-                break
-            except sqlite3.OperationalError as error:
-                busy = getattr(error, "sqlite_errorname", "").startswith("SQLITE_BUSY")
-                if not busy or time.monotonic() >= deadline:
-                    raise
-            time.sleep(0.001)
-        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        connection.execute(f"PRAGMA busy_timeout = {left_ms}")
 
     def check(self, deadline: float) -> None:
         with self.transaction(deadline) as tx:
