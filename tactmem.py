@@ -5298,7 +5298,8 @@ class RemoteStore:
             if 200 <= response.status < 300:
                 self._keep_bookmark(response.headers.get_all(_BOOKMARK) or [])
             retry = response.headers.get("retry-after", "")
-            return response.status, float(retry) if retry.isdigit() else None, answer
+            seconds = float(retry) if retry.isascii() and retry.isdigit() else None  # not `²`
+            return response.status, seconds, answer
         finally:
             connection.close()
 

@@ -6222,6 +6222,19 @@ def test_remote_store_retries_as_the_original_client() -> None:
         stub.close()
 
 
+@pytest.mark.parametrize("after", ["\u00b2", "1e3", "-1", " 1", "99999999999999999999"])
+def test_remote_store_takes_only_a_plain_retry_after(after: str) -> None:
+    """`Retry-After: ²` passes `str.isdigit` but not `float`: it is no number of seconds."""
+    stub = StubServer({"session": SESSION, "memories/list": (503, {"retry-after": after},
+                                                             {"code": "unavailable"})})  # fmt: skip
+    try:
+        with pytest.raises(tactmem.RemoteUnavailable):
+            stub.store().list()
+        assert stub.hits["memories/list"] == 3
+    finally:
+        stub.close()
+
+
 def test_remote_store_times_out() -> None:
     def slow(_: object) -> tuple[int, dict[str, str], Any]:
         time.sleep(1.5)
