@@ -2,8 +2,8 @@
 SQLite file and on a real PostgreSQL cluster that this test run starts (initdb, pg_ctl).
 
 The compatibility cases are ported from the original's `crates/memory/src/server/tests.rs`; each
-runs against both backends. PostgreSQL tests skip only when no PostgreSQL can be started, and
-with `TACTMEM_REQUIRE_POSTGRES=1` (as CI sets it) they fail instead.
+runs against both backends. The PostgreSQL tests never skip: without a PostgreSQL they can start,
+they fail and say why.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import pytest
@@ -104,10 +104,8 @@ class Cluster:
         return name
 
 
-def _unavailable(reason: str) -> None:
-    if os.environ.get("TACTMEM_REQUIRE_POSTGRES") == "1":
-        pytest.fail(f"PostgreSQL is required here but {reason}")
-    pytest.skip(f"PostgreSQL cannot be started: {reason}")
+def _unavailable(reason: str) -> NoReturn:
+    pytest.fail(f"these tests need PostgreSQL (apt-get install postgresql), but {reason}")
 
 
 @pytest.fixture(scope="session")
@@ -117,7 +115,6 @@ def cluster() -> Iterator[Cluster]:
     initdb, pg_ctl = _postgres_binary("initdb"), _postgres_binary("pg_ctl")
     if initdb is None or pg_ctl is None:
         _unavailable("initdb and pg_ctl were not found")
-    assert initdb is not None and pg_ctl is not None
     base = tempfile.mkdtemp(prefix="tactmem-pg-")
     user: dict[str, Any] = {}
     if os.geteuid() == 0:
