@@ -5241,7 +5241,9 @@ class RemoteStore:
                     continue
                 if 200 <= status < 300:
                     try:
-                        return json.loads(answer, parse_constant=_reject_constant)
+                        return json.loads(
+                            answer, parse_constant=_reject_constant, object_pairs_hook=_once
+                        )
                     except (ValueError, RecursionError):
                         raise RemoteInvalid() from None
                 if status in _RETRIED and route in _REPEATABLE and backoff is not None:

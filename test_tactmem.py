@@ -6068,6 +6068,7 @@ def scan_of(*cards: Any) -> Any:
 REFUSED: list[tuple[str, Any, Callable[[tactmem.RemoteStore], object]]] = [
     ("memories/scan", (200, {}, b"{not json"), lambda s: s.scan("q", limit=2)),
     ("memories/scan", (200, {}, b"[]"), lambda s: s.scan("q", limit=2)),
+    ("memories/scan", (200, {}, b'{"candidates": [], "candidates": []}'), lambda s: s.scan("q")),
     (
         "memories/scan",
         (200, {}, scan_of(card(1), card(2), card(3))),
