@@ -372,14 +372,14 @@ def check_put(payload: Mapping[str, Any], namespace: str, now_ms: int) -> tactme
     key = None if replacement is None else Key(replacement.id, replacement.version)
     try:
         put, refused = tactmem._check_put(content, key, LIMITS, now_ms), False
-    except tactmem.SecretRejected:
+    except (tactmem.SecretRejected, tactmem.InvalidRequest):  # a secret, or a NUL character
         put, refused = None, True
     if replacement is not None and (
         not _valid_key(replacement) or replacement.namespace != namespace
     ):
         raise _forbidden()
-    if refused or put is None or "\0" in content:
-        raise _bad_request()  # PostgreSQL text cannot hold NUL: no backend stores it
+    if refused or put is None:
+        raise _bad_request()
     return put
 
 
@@ -409,8 +409,6 @@ def check_sync(payload: Mapping[str, Any], now_ms: int) -> list[tuple[Record, st
         if max(record.key.version, record.scan_count, record.use_count) > _MAX_I64:
             raise tactmem.Conflict()
         identity = tactmem._check_put(record.content, None, LIMITS, now_ms).identity
-        if "\0" in record.content:
-            raise _bad_request()
         if identity in identities:
             raise tactmem.Duplicate()
         identities.add(identity)
