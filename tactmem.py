@@ -2759,7 +2759,7 @@ class _Browser:
     records: tuple[Record, ...] = ()
     query: str = ""
     sort: _Sort = "useful"
-    selected: int | None = None  # the selected record's id; selection follows it
+    selected: _Cursor | None = None  # the selected record's place (`_where`); selection follows it
     index: int = 0  # where the selection was, for when its record goes away
     view: _View = "list"
     scroll: int = 0
@@ -2771,24 +2771,26 @@ class _Browser:
     enabled: bool | None = None  # memory enabled for agents in the selected config
     width: int = 80  # the window, from ("size", width, height) events
     height: int = 24
+    team: str = ""  # team memory's own namespace: its records are shown read-only
 
     def shown(self) -> list[Record]:
-        """The records matching the filter, in the current sort."""
+        """The records matching the filter (content, or the label without `#`), sorted."""
         query = self.query.casefold()
         return _sorted_records(
             (
                 record
                 for record in self.records
-                if query in record.content.casefold() or self.query in str(record.key.id)
+                if query in record.content.casefold()
+                or self.query in _key_label(record.key).removeprefix("#")
             ),
             self.sort,
         )
 
     def position(self) -> int:
         shown = self.shown()
-        ids = [record.key.id for record in shown]
-        if self.selected in ids:
-            return ids.index(self.selected)
+        places = [_where(record) for record in shown]
+        if self.selected in places:
+            return places.index(self.selected)
         return max(0, min(self.index, len(shown) - 1))
 
     def current(self) -> Record | None:
@@ -2802,7 +2804,7 @@ def _select(state: _Browser, position: int | None = None) -> _Browser:
     if not shown:
         return attrs.evolve(state, selected=None, index=0)
     index = max(0, min(state.position() if position is None else position, len(shown) - 1))
-    return attrs.evolve(state, selected=shown[index].key.id, index=index)
+    return attrs.evolve(state, selected=_where(shown[index]), index=index)
 
 
 _EventKind = Literal[
@@ -2815,8 +2817,9 @@ _Step = tuple[_Browser, list[_Effect]]
 
 def _loaded(state: _Browser, records: Iterable[Record], now_ms: int) -> _Step:
     loaded = attrs.evolve(state, records=tuple(records), now_ms=now_ms, loaded=True)
-    if loaded.view == "detail" and state.selected not in [r.key.id for r in loaded.shown()]:
-        gone = f"Memory #{state.selected} is gone (deleted or expired)."
+    if loaded.view == "detail" and state.selected not in [_where(r) for r in loaded.shown()]:
+        namespace, doc_id = state.selected or ("", 0)
+        gone = f"Memory {namespace}#{doc_id} is gone (deleted or expired)."
         loaded = attrs.evolve(loaded, view="list", scroll=0, status=gone)
     return _select(loaded), []
 
@@ -2890,6 +2893,8 @@ def _browse_step(state: _Browser, event: _Event) -> _Step:
     typing = state.view == "list" and event[0] in ("char", "paste")
     action, step = _KEY_MAP[state.view].get(event[:2], ("type" if typing else "ignore", 0))
     current = state.current()
+    if action == "delete" and current is not None and state.team:
+        return attrs.evolve(state, status=_READ_ONLY), []
     if action == "delete" and current is not None:
         if state.confirm == current.key:
             status = f"Deleting memory #{current.key.id}…"
@@ -2903,6 +2908,9 @@ def _browse_step(state: _Browser, event: _Event) -> _Step:
         if event[:2] == ("key", "esc"):
             return state, []
     return _act(state, action, step, event, current)
+
+
+_READ_ONLY: Final = "Team memory is read-only here: tactmem delete ID@VERSION changes your own."
 
 
 def _act(
@@ -2955,6 +2963,8 @@ def _browse_screen(state: _Browser, width: int, height: int) -> list[tuple[str, 
         if state.query
         else "type to filter · Enter open · f sort · Ctrl+D delete · Ctrl+R reload · Esc quit"
     )
+    if state.team and not state.status:  # nothing to delete with: say read-only instead
+        footer = re.sub(r"(Ctrl\+D|d) delete", "read-only", footer)
     body = lines[: height - 1]
     screen = [*body, *[("", "")] * (height - 1 - len(body)), ("status", " " + footer)]
     return [(style, _fit(text, width)) for style, text in screen]
@@ -2963,7 +2973,8 @@ def _browse_screen(state: _Browser, width: int, height: int) -> list[tuple[str, 
 def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str]]:
     agents = "" if state.enabled is not False else "  · memory disabled for agents"
     query = _displayable(state.query, mark=" ")
-    title = f" Memory · Filter: {query}  Sort: {_SORTS[state.sort][0]}{agents}"
+    memory = f"Team memory ({state.team}, read-only)" if state.team else "Memory"
+    title = f" {memory} · Filter: {query}  Sort: {_SORTS[state.sort][0]}{agents}"
     lines = [("title", title)]
     shown = state.shown()
     if not state.loaded:
@@ -2984,7 +2995,7 @@ def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str
         marker = "› " if index == position else "  "
         text = _displayable(_first_graphemes(record.content, _PREVIEW_GRAPHEMES), mark=" ")
         meta = (
-            f"#{record.key.id} · v{record.key.version} · updated"
+            f"{_key_label(record.key)} · v{record.key.version} · updated"
             f" {_age(state.now_ms - record.updated_at_ms)} ago · used {record.use_count}×"
             f" · {_probation_label(record, state.now_ms)}"
         )
@@ -2999,7 +3010,7 @@ def _detail_lines(state: _Browser, width: int, height: int) -> list[tuple[str, s
     body = _detail_body(record, state.now_ms, width)
     room = max(0, height - 2)
     start = min(state.scroll, max(0, len(body) - room))
-    return [("title", f" Memory #{record.key.id}"), *body[start : start + room]]
+    return [("title", f" Memory {_key_label(record.key)}"), *body[start : start + room]]
 
 
 def _detail_body(record: Record, now: int, width: int) -> list[tuple[str, str]]:
@@ -5490,8 +5501,9 @@ def _serve_mcp(tool: MemoryTool | None, off: TactmemError | None, *, root: bool)
 # ------------------------------------------------------------------------ the browser's terminal
 
 
-def _browse(store: Backend, enabled: bool | None) -> None:
-    """`tactmem browse`: the pure browser driven by curses, its effects carried out on `store`."""
+def _browse(store: Backend, enabled: bool | None, team: str = "") -> None:
+    """`tactmem browse`: the pure browser driven by curses, its effects carried out on `store`
+    (`team`: team memory's own namespace, shown read-only)."""
     import curses
     import locale
 
@@ -5501,7 +5513,7 @@ def _browse(store: Backend, enabled: bool | None) -> None:
         locale.setlocale(locale.LC_ALL, "")
     os.environ.setdefault("ESCDELAY", "25")  # Esc answers at once, not after a second
     try:
-        curses.wrapper(_browse_loop, store, enabled)
+        curses.wrapper(_browse_loop, store, _Browser(enabled=enabled, team=team))
     except curses.error:
         raise TactmemError("the terminal could not be used (is TERM set?)") from None
 
@@ -5541,14 +5553,13 @@ def _carry_out(effect: _Effect, store: Backend) -> _Event | None:
     return None
 
 
-def _browse_loop(screen: Any, store: Backend, enabled: bool | None) -> None:
+def _browse_loop(screen: Any, store: Backend, state: _Browser) -> None:
     import curses
 
     with contextlib.suppress(curses.error):
         curses.curs_set(0)
     styles = {"title": curses.A_BOLD, "selected": curses.A_REVERSE, "dim": curses.A_DIM}
     screen.keypad(True)
-    state = _Browser(enabled=enabled)
     effects: list[_Effect] = [("load",)]
     while True:
         while effects:
@@ -6159,12 +6170,8 @@ def _restore_command(store: Store, arguments: argparse.Namespace, _: Config | No
 
 
 def _browse_command(store: Backend, _: argparse.Namespace, config: Config | None) -> None:
-    if isinstance(store, RemoteStore):  # its reducer keys records by id, which namespaces share
-        raise TactmemError(
-            "tactmem browse shows local memory only, and this directory uses team memory;"
-            " use tactmem list, or run it outside the workspace roots"
-        )
-    _browse(store, None if config is None else config.memory_enabled)  # the human is trusted
+    team = store.namespace if isinstance(store, RemoteStore) else ""  # then read-only
+    _browse(store, None if config is None else config.memory_enabled, team)  # a trusted human
 
 
 def _serve_command(store: Backend, arguments: argparse.Namespace, config: Config | None) -> None:

@@ -4136,13 +4136,13 @@ def test_browser_sort_cycle_matches_the_reference_fixture() -> None:
 def test_browser_selection_follows_the_id_across_filter_reload_and_delete() -> None:
     state = loaded(rec(1, content="alpha"), rec(2, content="beta"), rec(3, content="gamma"))
     state, _ = press(state, "down")
-    assert state.selected == 2
+    assert state.selected == ("", 2)  # a local record's place: no namespace
     state, _ = press(state, "e", "t")  # "et" matches beta only
-    assert (ids(state), state.selected) == ([2], 2)
+    assert (ids(state), state.selected) == ([2], ("", 2))
     state, _ = press(state, "backspace", "backspace")
-    assert state.selected == 2 and state.position() == 1
+    assert state.selected == ("", 2) and state.position() == 1
     state, _ = step(state, ("loaded", (rec(3), rec(2), rec(5)), 0))
-    assert state.selected == 2
+    assert state.selected == ("", 2)
     state, _ = step(state, ("deleted", Key(2, 1)))
     assert state.selected is not None and 2 not in ids(state)
 
@@ -4317,7 +4317,7 @@ def test_browser_review_fixes() -> None:
     # A reload that loses the record on display goes back to the list and says so.
     state, _ = press(loaded(rec(5, updated=2), rec(4, updated=1)), "enter")
     state, _ = step(state, ("loaded", (rec(4),), 0))
-    assert (state.view, state.selected) == ("list", 4)
+    assert (state.view, state.selected) == ("list", ("", 4))
     assert "Memory #5 is gone" in screen_text(state)
     # A failed delete names the keys of the view it happened in.
     failed: tactmem._Event = ("delete_failed", Key(4, 1), "store_busy", "busy")
@@ -4496,9 +4496,7 @@ class Terminal:
 
 
 def team_record(namespace: str, doc_id: int, content: str, used: int = 0) -> Record:
-    return Record(
-        tactmem.RemoteKey(doc_id, 1, namespace), content, 0, 0, None, 0, None, used, None
-    )
+    return Record(tactmem.RemoteKey(doc_id, 1, namespace), content, 0, 0, None, 0, None, used, None)
 
 
 def test_the_browser_shows_team_records_read_only_with_their_namespace() -> None:
@@ -4518,7 +4516,8 @@ def test_the_browser_shows_team_records_read_only_with_their_namespace() -> None
     assert state.selected == ("alice", 1)
     state, _ = tactmem._browse_step(state, ("key", "down"))
     assert state.selected == ("bob", 1)  # the same id, another record
-    for keys in ([("key", "ctrl-d")], [("key", "enter"), ("char", "d")]):
+    presses: list[list[tactmem._Event]] = [[("key", "ctrl-d")], [("key", "enter"), ("char", "d")]]
+    for keys in presses:
         current = state
         for event in keys:
             current, effects = tactmem._browse_step(current, event)
