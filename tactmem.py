@@ -2404,12 +2404,9 @@ def _strict_schema(
     operations: list[str], taken: list[str], limits: Limits, team: bool
 ) -> dict[str, Any]:
     """The flat input in OpenAI's strict form: every field required, `null` where unused."""
-    name = {"namespace": {"type": "string"}}
-    key = _closed(
-        {"id": {"type": "integer"}, "version": {"type": "integer"}, **(name if team else {})}
-    )
-    nullable = {"namespace": {"type": ["string", "null"]}} if team else {}
-    replace = _closed({"id": {"type": "integer"}, "version": {"type": "integer"}, **nullable})
+    number, named = {"type": "integer"}, {"namespace": {"type": ["string", "null"]}}
+    key = _closed({"id": number, "version": number, "namespace": {"type": "string"}})  # team's
+    replace = _closed({"id": number, "version": number, **(named if team else {})})
     most = limits.scan_results
     fields: dict[str, dict[str, Any]] = {
         "query": {"type": ["string", "null"],
