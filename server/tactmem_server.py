@@ -560,8 +560,15 @@ def _namespaced(row: Sequence[Any]) -> tuple[str, Record]:
 
 def _served(namespace: str, record: Record) -> bool:
     """Whether a row may be answered: one the core shows (text, not secret-shaped, sound
-    metadata) in a namespace a credential can name. A foreign writer's other rows are hidden."""
-    return _valid_namespace(namespace) and tactmem._shown(record)
+    metadata) in a namespace a credential can name, that the original client accepts (content
+    within one record's bound, `0 <= created_at_ms <= updated_at_ms`). A foreign writer's
+    other rows are hidden."""
+    return (
+        _valid_namespace(namespace)
+        and tactmem._shown(record)
+        and len(record.content.encode("utf-8")) <= LIMITS.content_bytes
+        and 0 <= record.created_at_ms <= record.updated_at_ms
+    )
 
 
 def _deadline_left(deadline: float) -> float:
@@ -613,8 +620,10 @@ class SqliteEngine:
                 self._check_schema(tx)
                 for statement in _SCHEMA:
                     tx.run(statement.format(ns="TEXT", int="INTEGER", strict=" STRICT"))
-        except BaseException:
+        except BaseException as error:
             connection.close()
+            if isinstance(error, sqlite3.Error):  # such as a file that is not SQLite at all
+                raise tactmem._storage_error(error) from None
             raise
 
     @staticmethod
@@ -823,8 +832,11 @@ class TeamStore:
 
     @staticmethod
     def _changed(tx: _Tx, namespaces: Iterable[str]) -> None:
+        """Move the change counters (compared for equality only, so at 2^63 - 1 one wraps to
+        -2^63 rather than fail every write of its namespace)."""
         tx.many(
-            "UPDATE memory_namespaces SET changes = changes + 1 WHERE namespace = ?",
+            "UPDATE memory_namespaces SET changes = CASE WHEN changes < 9223372036854775807"
+            " THEN changes + 1 ELSE -9223372036854775807 - 1 END WHERE namespace = ?",
             [(ns,) for ns in namespaces],
         )
 
@@ -871,7 +883,12 @@ class TeamStore:
         }
         stale = [ns for ns, changes in counters.items() if self._seen.get(ns) != changes]
         for ns in stale:
-            rows = tx.rows("SELECT id, version, content FROM memories WHERE namespace = ?", [ns])
+            rows = tx.rows(  # the rows `_served` admits; the corpus hides the rest itself
+                "SELECT id, version, content FROM memories WHERE namespace = ?"
+                f" AND {self.engine.bytes_sql} <= ? AND 0 <= created_at_ms"
+                " AND created_at_ms <= updated_at_ms",
+                [ns, LIMITS.content_bytes],
+            )
             self._rows[ns] = [
                 (_doc_id(ns, doc_id), version, content) for doc_id, version, content in rows
             ]
@@ -896,7 +913,9 @@ class TeamStore:
                     [ns, *versions],
                 )
                 current = [
-                    r for _, r in map(_namespaced, rows) if versions[r.key.id] in (0, r.key.version)
+                    r
+                    for _, r in map(_namespaced, rows)
+                    if versions[r.key.id] in (0, r.key.version) and _served(ns, r)
                 ]
                 for record in tactmem._plan_read(list(versions), current, now_ms):
                     found[ns, record.key.id] = record

@@ -881,7 +881,7 @@ def test_hostile_rows_are_hidden_not_a_500(
     kept = client.put("kept note beside hostile rows")
     long_name, rows = "n" * 200, [("\u00e9", "note from a namespace with an accent")]
     rows += [(long_name, "note from a namespace too long"), ("bob", "   ")]
-    rows += [("bob", "password = hunter2hunter2")]
+    rows += [("bob", "password = hunter2hunter2"), ("bob", "note " + "x" * 1100)]
     insert = (
         "INSERT INTO memories (namespace, id, version, content, identity, created_at_ms,"
         " updated_at_ms) VALUES (?, ?, 1, ?, ?, 1, 1)"
@@ -896,17 +896,32 @@ def test_hostile_rows_are_hidden_not_a_500(
             ("INSERT INTO memories (namespace, id, version, content, identity, created_at_ms,"
              " updated_at_ms) VALUES ('zz', 1, 1, CAST(x'ff6e6f7465' AS TEXT), 'z', 1, 1)", [])
         )  # fmt: skip
+    statements.append(
+        ("UPDATE memories SET created_at_ms = updated_at_ms + 1 WHERE namespace = 'alice'", [])
+    )
     statements.append(("UPDATE memory_namespaces SET changes = changes + 1", []))
     statements.append(
         ("UPDATE memory_namespaces SET next_id = ? WHERE namespace = 'bob'", [2**63 - 1])
     )
     outside(backend, *statements)
-    scan = client.ok("/v1/memories/scan", {"query": "note", "limit": 5})["candidates"]
-    assert [c["key"] for c in scan] == [kept["key"]]
-    assert [key_of(r) for r in client.ok("/v1/memories/list")["memories"]] == [key_of(kept)]
-    assert [key_of(r) for r in client.export()] == [key_of(kept)]
-    assert [key_of(r) for r in client.export(limit=1)] == [key_of(kept)]
-    keys = [{"id": n, "version": 1, "namespace": "bob"} for n in (3, 4)]
+    bodies = {"list": None, "read": {"keys": [kept["key"]]}, "export": {"limit": 5}}
+    for route, body in bodies.items():  # created after updated: the client would refuse it
+        assert client.ok(f"/v1/memories/{route}", body)["memories"] == [], route
+    outside(
+        backend,
+        ("UPDATE memories SET created_at_ms = updated_at_ms WHERE namespace = 'alice'", []),
+        ("UPDATE memory_namespaces SET changes = ? WHERE namespace = 'alice'", [2**63 - 1]),
+    )
+    second = client.put("second kept note")  # the change counter wraps, not a failed write
+    scan = client.ok("/v1/memories/scan", {"query": "note kept", "limit": 5})["candidates"]
+    assert sorted(c["key"]["id"] for c in scan) == [1, 2] and {
+        c["key"]["namespace"] for c in scan
+    } == {"alice"}
+    shown = [key_of(kept), key_of(second)]
+    assert [key_of(r) for r in client.ok("/v1/memories/list")["memories"]] == shown
+    assert [key_of(r) for r in client.export()] == shown
+    assert [key_of(r) for r in client.export(limit=1)] == shown
+    keys = [{"id": n, "version": 1, "namespace": "bob"} for n in (3, 4, 5)]
     assert client.ok("/v1/memories/read", {"keys": keys})["memories"] == []
     answer = client.call("/v1/memories/put", {"content": "bob has no id left"}, namespace="bob")
     assert_error(answer, 507, "content_capacity")
@@ -1027,6 +1042,14 @@ def test_listening_beyond_loopback_warns_that_tokens_travel_in_clear(
 def test_a_tactmem_store_file_is_not_a_team_database(
     tmp_path: pathlib.Path, credentials: str
 ) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("not a database at all, some zebracorn words\n" * 200)
+    run = subprocess.run(
+        [*SERVER, "--sqlite", str(text), "--credentials", credentials],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("tactmem-server: memory database file is not a SQLite database")
     path = tmp_path / "memory.sqlite3"
     with tactmem.Store(path) as store:
         store.put("a local conclusion")
