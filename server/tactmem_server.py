@@ -1082,13 +1082,12 @@ class TeamStore:
                 page += [(ns, r) for ns, r in map(_namespaced, rows) if _served(ns, r)]
                 wanted = 0 if len(rows) < wanted else limit + 1 - len(page)
                 after = (rows[-1][0], rows[-1][1]) if rows else after
-            last = page[limit - 1] if len(page) > limit else None
-            return {
-                "memories": [wire_record(ns, r) for ns, r in page[:limit]],
-                "next_cursor": None
-                if last is None
-                else {"namespace": last[0], "id": last[1].key.id},
-            }
+            memories = [wire_record(ns, r) for ns, r in page[:limit]]
+            last = memories[-1]["key"] if len(page) > limit else None
+            next_cursor = (
+                None if last is None else {"namespace": last["namespace"], "id": last["id"]}
+            )
+            return {"memories": memories, "next_cursor": next_cursor}
 
         result: dict[str, Any] = self._run(deadline, operation)
         return result
