@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import ipaddress
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -41,7 +43,7 @@ import attrs
 import tactmem
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -75,12 +77,22 @@ _log = logging.getLogger("tactmem_server")
 
 
 class ApiError(Exception):
-    """A protocol failure: an HTTP status and a stable code, the whole body `{"code":"..."}`."""
+    """A protocol failure: an HTTP status and a stable code, the whole body `{"code":"..."}`.
+    An `internal` one keeps, for the log only, the class names of what failed: the error and
+    the one it was raised from or while handling (never a message, which may quote content)."""
 
-    def __init__(self, status: int, code: str) -> None:
+    def __init__(self, status: int, code: str, failed: BaseException | None = None) -> None:
         super().__init__(code)
         self.status = status
         self.code = code
+        cause = None if failed is None else failed.__cause__ or failed.__context__
+        self.log = {} if failed is None else {"error_type": type(failed).__name__}
+        if cause is not None:
+            self.log["error_cause"] = type(cause).__name__
+
+
+def _internal(failed: BaseException) -> ApiError:
+    return ApiError(500, "internal", failed)
 
 
 def _bad_request() -> ApiError:
@@ -113,7 +125,7 @@ def _api_error(error: TactmemError) -> ApiError:
     for kind in type(error).__mro__:
         if kind in _STORE_ERRORS:
             return ApiError(*_STORE_ERRORS[kind])
-    return ApiError(500, "internal")
+    return _internal(error)
 
 
 class CredentialsError(Exception):
@@ -417,12 +429,13 @@ def check_sync(payload: Mapping[str, Any], now_ms: int) -> list[tuple[Record, st
 
 
 def _admitted(key: WireKey, record: Record) -> bool:
-    """A snapshot record the router takes: a valid local key, content that is not blank and
-    fits one record, and `0 <= created_at_ms <= updated_at_ms`."""
+    """A snapshot record the router takes: a valid local key with an id below 2^63 - 1,
+    content that is not blank and fits one record, and `0 <= created_at_ms <= updated_at_ms`."""
     content = record.content
     return (
         key.namespace is None
         and _valid_key(key)
+        and key.id < _MAX_I64  # the allocator must hold the id after it (see `plan_put`)
         and content != ""
         and tactmem._WS_RUN.fullmatch(content) is None
         and len(content.encode("utf-8")) <= LIMITS.content_bytes
@@ -450,10 +463,16 @@ def check_export(
 def plan_put(put: tactmem._Put, state: tactmem._PutState) -> tactmem._PutPlan:
     """The core's put plan, in the protocol's order of refusals: a replace whose content
     another row holds is `duplicate` before `not_found` or `conflict` (the original classifies
-    a failed write as duplicate, not found, conflict, capacity); an insert's order is the core's."""
+    a failed write as duplicate, not found, conflict, capacity); an insert's order is the core's.
+    The allocator records the id after each one it hands out, a 64-bit integer too, so the last
+    id, 2^63 - 1, is never handed out: no id left is the core's `DatabaseCapacity` (the
+    original's allocator refuses the same id with its storage capacity error)."""
     if put.replace is not None and state.duplicate_of not in (None, put.replace.id):
         raise tactmem.Duplicate()
-    return tactmem._plan_put(put, state, LIMITS)
+    plan = tactmem._plan_put(put, state, LIMITS)
+    if plan.insert and plan.record.key.id >= _MAX_I64:
+        raise tactmem.DatabaseCapacity()
+    return plan
 
 
 def plan_sync(previous: Mapping[int, Record], snapshot: Sequence[Record]) -> dict[str, int]:
@@ -537,6 +556,19 @@ def _namespaced(row: Sequence[Any]) -> tuple[str, Record]:
     return row[0], Record.from_row(row[1:])
 
 
+def _served(namespace: str, record: Record) -> bool:
+    """Whether a row may be answered: one the core shows (text, not secret-shaped, sound
+    metadata) in a namespace a credential can name, that the original client accepts (content
+    within one record's bound, `0 <= created_at_ms <= updated_at_ms`). A foreign writer's
+    other rows are hidden."""
+    return (
+        _valid_namespace(namespace)
+        and tactmem._shown(record)
+        and len(record.content.encode("utf-8")) <= LIMITS.content_bytes
+        and 0 <= record.created_at_ms <= record.updated_at_ms
+    )
+
+
 def _deadline_left(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
@@ -586,8 +618,10 @@ class SqliteEngine:
                 self._check_schema(tx)
                 for statement in _SCHEMA:
                     tx.run(statement.format(ns="TEXT", int="INTEGER", strict=" STRICT"))
-        except BaseException:
+        except BaseException as error:
             connection.close()
+            if isinstance(error, sqlite3.Error):  # such as a file that is not SQLite at all
+                raise tactmem._storage_error(error) from None
             raise
 
     @staticmethod
@@ -796,8 +830,11 @@ class TeamStore:
 
     @staticmethod
     def _changed(tx: _Tx, namespaces: Iterable[str]) -> None:
+        """Move the change counters (compared for equality only, so at 2^63 - 1 one wraps to
+        -2^63 rather than fail every write of its namespace)."""
         tx.many(
-            "UPDATE memory_namespaces SET changes = changes + 1 WHERE namespace = ?",
+            "UPDATE memory_namespaces SET changes = CASE WHEN changes < 9223372036854775807"
+            " THEN changes + 1 ELSE -9223372036854775807 - 1 END WHERE namespace = ?",
             [(ns,) for ns in namespaces],
         )
 
@@ -837,10 +874,19 @@ class TeamStore:
 
     def _refresh(self, tx: _Tx) -> None:
         """Bring the combined corpus up to date, fetching only namespaces whose counter moved."""
-        counters = dict(tx.rows("SELECT namespace, changes FROM memory_namespaces"))
+        counters = {  # a namespace no credential can name holds a foreign writer's rows only
+            ns: changes
+            for ns, changes in tx.rows("SELECT namespace, changes FROM memory_namespaces")
+            if _valid_namespace(ns)
+        }
         stale = [ns for ns, changes in counters.items() if self._seen.get(ns) != changes]
         for ns in stale:
-            rows = tx.rows("SELECT id, version, content FROM memories WHERE namespace = ?", [ns])
+            rows = tx.rows(  # the rows `_served` admits; the corpus hides the rest itself
+                "SELECT id, version, content FROM memories WHERE namespace = ?"
+                f" AND {self.engine.bytes_sql} <= ? AND 0 <= created_at_ms"
+                " AND created_at_ms <= updated_at_ms",
+                [ns, LIMITS.content_bytes],
+            )
             self._rows[ns] = [
                 (_doc_id(ns, doc_id), version, content) for doc_id, version, content in rows
             ]
@@ -865,7 +911,9 @@ class TeamStore:
                     [ns, *versions],
                 )
                 current = [
-                    r for _, r in map(_namespaced, rows) if versions[r.key.id] in (0, r.key.version)
+                    r
+                    for _, r in map(_namespaced, rows)
+                    if versions[r.key.id] in (0, r.key.version) and _served(ns, r)
                 ]
                 for record in tactmem._plan_read(list(versions), current, now_ms):
                     found[ns, record.key.id] = record
@@ -893,7 +941,7 @@ class TeamStore:
             rows = tx.rows(
                 f"SELECT {_COLUMNS} FROM memories ORDER BY namespace, id LIMIT {LIMITS.records}"
             )
-            return [wire_record(ns, r) for ns, r in map(_namespaced, rows) if tactmem._shown(r)]
+            return [wire_record(ns, r) for ns, r in map(_namespaced, rows) if _served(ns, r)]
 
         result: list[dict[str, Any]] = self._run(deadline, operation)
         return result
@@ -1004,29 +1052,40 @@ class TeamStore:
         now_ms: int,
         deadline: float,
     ) -> dict[str, Any]:
-        """One page in `(namespace, id)` order, numeric ids, strictly after the cursor; the next
-        cursor only when a record follows (one more row is fetched to know)."""
+        """One page in `(namespace, id)` order, numeric ids, strictly after the cursor, of the
+        rows `_served` admits; the next cursor only when a record follows (rows are fetched
+        until one more than the page is found, or none is left)."""
 
-        def operation(tx: _Tx) -> dict[str, Any]:
-            self._prune(tx, now_ms)
+        def rows_after(tx: _Tx, after: tuple[str, int] | None, count: int) -> list[Any]:
             where: list[str] = ["1 = 1"]
             params: list[object] = []
             if namespaces is not None:
                 where.append(f"namespace IN ({_marks(len(namespaces))})")
                 params += namespaces
-            if cursor is not None:
+            if after is not None:
                 where.append("(namespace > ? OR (namespace = ? AND id > ?))")
-                params += [cursor[0], cursor[0], cursor[1]]
-            rows = tx.rows(
+                params += [after[0], after[0], after[1]]
+            return tx.rows(
                 f"SELECT {_COLUMNS} FROM memories WHERE {' AND '.join(where)}"
-                f" ORDER BY namespace, id LIMIT {limit + 1}",
+                f" ORDER BY namespace, id LIMIT {count}",
                 params,
             )
-            page = list(map(_namespaced, rows[:limit]))
-            last = (
-                {"namespace": page[-1][0], "id": page[-1][1].key.id} if len(rows) > limit else None
+
+        def operation(tx: _Tx) -> dict[str, Any]:
+            self._prune(tx, now_ms)
+            page: list[tuple[str, Record]] = []
+            after, wanted = cursor, limit + 1
+            while wanted:
+                rows = rows_after(tx, after, wanted)
+                page += [(ns, r) for ns, r in map(_namespaced, rows) if _served(ns, r)]
+                wanted = 0 if len(rows) < wanted else limit + 1 - len(page)
+                after = (rows[-1][0], rows[-1][1]) if rows else after
+            memories = [wire_record(ns, r) for ns, r in page[:limit]]
+            last = memories[-1]["key"] if len(page) > limit else None
+            next_cursor = (
+                None if last is None else {"namespace": last["namespace"], "id": last["id"]}
             )
-            return {"memories": [wire_record(ns, r) for ns, r in page], "next_cursor": last}
+            return {"memories": memories, "next_cursor": next_cursor}
 
         result: dict[str, Any] = self._run(deadline, operation)
         return result
@@ -1215,11 +1274,19 @@ class _Server:
                     raise _bad_request()
                 body = await _read_body(request)
             answer, counts = await self._run(operation, principal, body)
+            data = _body(answer)
         except ApiError as error:
-            self._trace(name, principal, started, error.status, error.code, {})
+            self._trace(name, principal, started, error.status, error.code, error.log)
             return _error_response(error)
+        except ClientDisconnect:  # the body was cut short; nobody reads the answer
+            self._trace(name, principal, started, 400, "bad_request", {})
+            return _error_response(_bad_request())
+        except Exception as error:  # a bug: the answer is `internal`, the log says what failed
+            failure = _internal(error)
+            self._trace(name, principal, started, 500, failure.code, failure.log)
+            return _error_response(failure)
         self._trace(name, principal, started, 200, None, counts)
-        return Response(_body(answer), media_type="application/json")
+        return Response(data, media_type="application/json")
 
     async def _run(self, operation: _Operation, principal: Principal, body: bytes | None) -> Any:
         deadline = time.monotonic() + self.timeout_s
@@ -1232,11 +1299,6 @@ class _Server:
                 return operation.run(self.store, principal, payload, deadline)
             except TactmemError as error:
                 raise _api_error(error) from None
-            except ApiError:
-                raise
-            except Exception as error:  # a bug: its type only, since a message may quote a value
-                _log_event(event="internal_error", error=type(error).__name__)
-                raise ApiError(500, "internal") from None
 
         with anyio.move_on_after(self.timeout_s + _GRACE_S):
             return await anyio.to_thread.run_sync(
@@ -1247,9 +1309,10 @@ class _Server:
     @staticmethod
     def _trace(
         name: str, principal: Principal | None, started: float, status: int, code: str | None,
-        counts: Mapping[str, int],
+        counts: Mapping[str, int | str],
     ) -> None:  # fmt: skip
-        """One structured line per request: never a token, a query or any content."""
+        """One structured line per request: never a token, a query or any content (a 500's
+        `error_type` and `error_cause` are class names only)."""
         _log_event(
             event="operation", operation=name,
             namespace=None if principal is None else principal.namespace,
@@ -1339,6 +1402,25 @@ def create_app(
 # ============================================================================ command line (I/O)
 
 
+def _bounded(kind: Callable[[str], float], low: float, high: float, what: str) -> Any:
+    """An argparse type: a `kind` number from `low` to `high` (NaN is neither), else a usage
+    error that says what is expected and does not echo what was typed."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {what}")
+        return value
+
+    return parse
+
+
+_SECONDS: Final = (0.1, 86400.0)  # PostgreSQL's and SQLite's timeouts take int milliseconds
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tactmem-server",
@@ -1354,15 +1436,17 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     parser.add_argument(
-        "--port", type=int, default=8420, help="port to listen on (8420; 0: any free)"
-    )
+        "--port", type=_bounded(int, 0, 65535, "a port from 0 to 65535"), default=8420,
+        help="port to listen on (8420; 0: any free)",
+    )  # fmt: skip
     parser.add_argument(
-        "--store-timeout", type=float, default=STORE_TIMEOUT_S, metavar="SECONDS",
+        "--store-timeout", default=STORE_TIMEOUT_S, metavar="SECONDS",
+        type=_bounded(float, *_SECONDS, "a number of seconds from {:g} to {:g}".format(*_SECONDS)),
         help=f"longest one store operation may take before 503 ({STORE_TIMEOUT_S:g})",
     )  # fmt: skip
     parser.add_argument(
-        "--pool-size", type=int, default=16, metavar="N",
-        help="PostgreSQL connections per server process (16)",
+        "--pool-size", type=_bounded(int, 1, math.inf, "a whole number of at least 1"),
+        default=16, metavar="N", help="PostgreSQL connections per server process (16)",
     )  # fmt: skip
     parser.add_argument("--version", action="version", version=f"tactmem-server {__version__}")
     return parser
@@ -1382,6 +1466,12 @@ def _listen(host: str, port: int) -> socket.socket:
         listener.close()
         raise
     return listener
+
+
+_EXPOSED: Final = (
+    "listening on {} reaches beyond this machine: plain HTTP carries the bearer tokens in"
+    " clear, so put TLS in front (a reverse proxy) before anyone else connects"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1417,6 +1507,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("uvicorn").setLevel(logging.WARNING)
     host, port = listener.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
+    if not ipaddress.ip_address(host).is_loopback:
+        _log_event(event="warning", message=_EXPOSED.format(shown))
     _log_event(
         event="listening",
         url=f"http://{shown}:{port}",

@@ -299,6 +299,22 @@ def store_locked(backend: list[str]) -> Iterator[None]:
             locked.rollback()
 
 
+def outside(backend: list[str], *statements: tuple[str, list[object]]) -> None:
+    """Run statements (`?` placeholders) on the server's database from a second connection,
+    as a foreign writer or an operator would, and commit them."""
+    kind, target = backend
+    if kind == "--sqlite":
+        with contextlib.closing(sqlite3.connect(target)) as connection, connection:
+            for sql, params in statements:
+                connection.execute(sql, params)
+        return
+    import psycopg
+
+    with psycopg.connect(target) as postgres:
+        for sql, params in statements:
+            postgres.execute(sql.replace("?", "%s"), params)
+
+
 def assert_error(answer: tuple[int, bytes], status: int, code: str) -> None:
     assert answer == (status, error(code))
 
@@ -478,6 +494,7 @@ SYNC_REFUSALS = [
     ([{**snapshot_record(1, 1, "count too large"), "use_count": 2**64 - 1}], 409, "conflict"),
     ([{**snapshot_record(1, 1, "count beyond u64"), "use_count": 2**64}], 400, "bad_request"),
     ([snapshot_record(1, 1, "password = hunter2hunter2")], 400, "bad_request"),
+    ([snapshot_record(2**63 - 1, 1, "the id after it does not fit")], 400, "bad_request"),
     ([snapshot_record(1, 1, "nul \x00 inside")], 400, "bad_request"),
     ([snapshot_record(n, 1, f"note {n}") for n in range(1, 514)], 400, "bad_request"),
     ([snapshot_record(n, 1, f"{n:04}" + "y" * 1020) for n in range(1, 258)], 400, "bad_request"),
@@ -489,6 +506,29 @@ def test_sync_refusals_change_nothing(client: Client) -> None:
     for memories, status, code in SYNC_REFUSALS:
         assert_error(client.call("/v1/memories/sync", {"memories": memories}), status, code)
         assert client.export(["alice"]) == [kept]
+
+
+def test_the_last_ids_are_refused_not_a_wedged_namespace(client: Client) -> None:
+    """The allocator records the id after each one it hands out, and that must fit in 64 bits:
+    the highest id a namespace holds is 2^63 - 2. A put with no id left is the original's
+    storage-capacity answer, 507 `content_capacity`, and stays so: ids are never reused."""
+    top = 2**63 - 2
+    report = client.ok("/v1/memories/sync", {"memories": [snapshot_record(top, 1, "highest")]})
+    assert report["inserted"] == 1
+    for _ in range(2):
+        answer = client.call("/v1/memories/put", {"content": "no id is left for this"})
+        assert_error(answer, 507, "content_capacity")
+    replaced = client.put("highest, replaced", replacement={"id": top, "version": 1, **NS})
+    assert key_of(replaced) == ("alice", top, 2)
+    assert client.ok("/v1/memories/sync", {"memories": []})["deleted"] == 1
+    assert_error(
+        client.call("/v1/memories/put", {"content": "still none"}), 507, "content_capacity"
+    )
+    assert client.export(["alice"]) == []
+    assert client.put("other namespaces are untouched", namespace="bob")["key"]["id"] == 1
+
+
+NS = {"namespace": "alice"}
 
 
 def test_export_paginates_all_or_selected_without_deduplication(client: Client) -> None:
@@ -784,6 +824,109 @@ def test_logs_are_structured_and_hold_no_token_or_content(start: Callable[..., S
         assert leak not in text
 
 
+def test_an_internal_error_logs_its_type_and_never_its_message(
+    backend: list[str], start: Callable[..., Server]
+) -> None:
+    """An operator who drops a table under a running server gets 500 `internal`, and the log
+    names what failed (the error's class and the one it came from) without its message."""
+    server = start()
+    server.client.put("written before the table went")
+    outside(backend, ("DROP TABLE memories", []))
+    answer = server.client.call("/v1/memories/put", {"content": "zebracorn after the drop"})
+    assert_error(answer, 500, "internal")
+    server.stop()
+    failed = [
+        event
+        for event in map(json.loads, server.lines)
+        if event.get("event") == "operation" and event["status"] == 500
+    ]
+    cause = "OperationalError" if backend[0] == "--sqlite" else "UndefinedTable"
+    assert [(e["operation"], e["error_type"], e["error_cause"]) for e in failed] == [
+        ("put", "StorageError", cause)
+    ]
+    text = "".join(server.lines)
+    for leak in ("zebracorn", "memories", "does not exist", "no such table", "Traceback"):
+        assert leak not in text
+
+
+def test_a_body_cut_short_is_a_logged_bad_request_not_a_traceback(
+    start: Callable[..., Server],
+) -> None:
+    server = start()
+    port = urlsplit(server.url).port
+    head = (
+        f"POST /v1/memories/put HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE}\r\n"
+        "x-tact-memory-namespace: alice\r\nContent-Type: application/json\r\n"
+        "Content-Length: 100\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port or 0)) as connection:
+        connection.sendall(head.encode() + b'{"content": "zebracorn cut')
+    wait_for(lambda: any('"operation":"put"' in line for line in server.lines), "the put's log")
+    assert server.client.put("the server still answers")["key"]["id"] == 1
+    server.stop()
+    events = _events(server)
+    assert [(e["operation"], e["status"]) for e in events if e["event"] == "operation"] == [
+        ("put", 400), ("put", 200),
+    ]  # fmt: skip
+    assert "zebracorn" not in "".join(server.lines)
+
+
+def test_hostile_rows_are_hidden_not_a_500(
+    backend: list[str], start: Callable[..., Server]
+) -> None:
+    """Rows no server wrote, from a foreign writer with the database's own rights: namespaces
+    no credential can name (not ASCII, too long), text that is not UTF-8 (SQLite), content a
+    put would refuse, an allocator at its end. Every route still answers, hiding them."""
+    client = start().client
+    kept = client.put("kept note beside hostile rows")
+    long_name, rows = "n" * 200, [("\u00e9", "note from a namespace with an accent")]
+    rows += [(long_name, "note from a namespace too long"), ("bob", "   ")]
+    rows += [("bob", "password = hunter2hunter2"), ("bob", "note " + "x" * 1100)]
+    insert = (
+        "INSERT INTO memories (namespace, id, version, content, identity, created_at_ms,"
+        " updated_at_ms) VALUES (?, ?, 1, ?, ?, 1, 1)"
+    )
+    statements: list[tuple[str, list[object]]] = [
+        ("INSERT INTO memory_namespaces (namespace) VALUES (?) ON CONFLICT DO NOTHING", [ns])
+        for ns in ("\u00e9", long_name, "bob", "zz")
+    ]
+    statements += [(insert, [ns, n, text, f"i{n}"]) for n, (ns, text) in enumerate(rows, 1)]
+    if backend[0] == "--sqlite":
+        statements.append(
+            ("INSERT INTO memories (namespace, id, version, content, identity, created_at_ms,"
+             " updated_at_ms) VALUES ('zz', 1, 1, CAST(x'ff6e6f7465' AS TEXT), 'z', 1, 1)", [])
+        )  # fmt: skip
+    statements.append(
+        ("UPDATE memories SET created_at_ms = updated_at_ms + 1 WHERE namespace = 'alice'", [])
+    )
+    statements.append(("UPDATE memory_namespaces SET changes = changes + 1", []))
+    statements.append(
+        ("UPDATE memory_namespaces SET next_id = ? WHERE namespace = 'bob'", [2**63 - 1])
+    )
+    outside(backend, *statements)
+    bodies = {"list": None, "read": {"keys": [kept["key"]]}, "export": {"limit": 5}}
+    for route, body in bodies.items():  # created after updated: the client would refuse it
+        assert client.ok(f"/v1/memories/{route}", body)["memories"] == [], route
+    outside(
+        backend,
+        ("UPDATE memories SET created_at_ms = updated_at_ms WHERE namespace = 'alice'", []),
+        ("UPDATE memory_namespaces SET changes = ? WHERE namespace = 'alice'", [2**63 - 1]),
+    )
+    second = client.put("second kept note")  # the change counter wraps, not a failed write
+    scan = client.ok("/v1/memories/scan", {"query": "note kept", "limit": 5})["candidates"]
+    assert sorted(c["key"]["id"] for c in scan) == [1, 2] and {
+        c["key"]["namespace"] for c in scan
+    } == {"alice"}
+    shown = [key_of(kept), key_of(second)]
+    assert [key_of(r) for r in client.ok("/v1/memories/list")["memories"]] == shown
+    assert [key_of(r) for r in client.export()] == shown
+    assert [key_of(r) for r in client.export(limit=1)] == shown
+    keys = [{"id": n, "version": 1, "namespace": "bob"} for n in (3, 4, 5)]
+    assert client.ok("/v1/memories/read", {"keys": keys})["memories"] == []
+    answer = client.call("/v1/memories/put", {"content": "bob has no id left"}, namespace="bob")
+    assert_error(answer, 507, "content_capacity")
+
+
 def test_graceful_shutdown_finishes_requests_in_flight(
     backend: list[str], start: Callable[..., Server]
 ) -> None:
@@ -845,9 +988,68 @@ def test_help_and_startup_errors(
     assert "could not connect to PostgreSQL" in stderr and "pw-zebra" not in stderr
 
 
+BAD_OPTIONS = [
+    ("--store-timeout", "nan"), ("--store-timeout", "inf"), ("--store-timeout", "-inf"),
+    ("--store-timeout", "0"), ("--store-timeout", "-1"), ("--store-timeout", "1e300"),
+    ("--store-timeout", "soon"), ("--port", "99999"), ("--port", "65536"), ("--port", "-1"),
+    ("--port", "http"), ("--pool-size", "0"), ("--pool-size", "-2"), ("--pool-size", "1.5"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("option", "value"), BAD_OPTIONS)
+def test_bad_options_are_one_line_usage_errors(
+    tmp_path: pathlib.Path, credentials: str, option: str, value: str
+) -> None:
+    database = tmp_path / "never.sqlite3"
+    run = subprocess.run(
+        [*SERVER, "--sqlite", str(database), "--credentials", credentials, option, value],
+        capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.startswith("usage: tactmem-server ")
+    last = run.stderr.splitlines()[-1]
+    assert last.startswith(f"tactmem-server: error: argument {option}: expected "), last
+    assert not database.exists()
+
+
+def _events(server: Server) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in server.lines]
+
+
+def test_listening_beyond_loopback_warns_that_tokens_travel_in_clear(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
+    exposed = Server(["--sqlite", str(tmp_path / "team.sqlite3")], credentials, "--host", "0.0.0.0")
+    try:
+        port = urlsplit(exposed.url).port
+        assert exposed.url == f"http://0.0.0.0:{port}"
+        local = Client(f"http://127.0.0.1:{port}")  # traffic only to this machine
+        assert local.ok("/v1/session", method="GET")["namespace"] == "alice"
+    finally:
+        exposed.stop()
+    events = _events(exposed)
+    assert [e["event"] for e in events[:2]] == ["warning", "listening"]
+    assert [e for e in events if e["event"] == "warning"] == [events[0]]
+    message = events[0]["message"]
+    for words in ("0.0.0.0", "beyond this machine", "bearer tokens", "in clear", "TLS"):
+        assert words in message, message
+    loopback = Server(["--sqlite", str(tmp_path / "team.sqlite3")], credentials)
+    loopback.client.ok("/v1/session", method="GET")
+    loopback.stop()
+    assert [e["event"] for e in _events(loopback)] == ["listening", "operation", "stopped"]
+
+
 def test_a_tactmem_store_file_is_not_a_team_database(
     tmp_path: pathlib.Path, credentials: str
 ) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("not a database at all, some zebracorn words\n" * 200)
+    run = subprocess.run(
+        [*SERVER, "--sqlite", str(text), "--credentials", credentials],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("tactmem-server: memory database file is not a SQLite database")
     path = tmp_path / "memory.sqlite3"
     with tactmem.Store(path) as store:
         store.put("a local conclusion")
