@@ -2143,18 +2143,20 @@ _TEAM_FIELDS: Final = {
 }
 
 
-_TOOL_FIELDS: Final = frozenset(
-    field for table in (_FIELDS, _TEAM_FIELDS) for req, opt, _ in table.values()
-    for field in (*req, *opt)
-)  # fmt: skip
+# Each tool's fields (`team`: team memory's): the ones its strict schema sends as `null`.
+_TOOL_FIELDS: Final = {
+    team: frozenset(field for req, opt, _ in table.values() for field in (*req, *opt))
+    for team, table in ((False, _FIELDS), (True, _TEAM_FIELDS))
+}
 
 
-def _present(arguments: Mapping[str, Any], required: tuple[str, ...]) -> dict[str, Any]:
-    """The fields given: `null` is absent for a tool field the operation does not require
-    (strict-mode clients send every field of the schema, `null` where unused)."""
+def _present(arguments: Mapping[str, Any], required: tuple[str, ...], team: bool) -> dict[str, Any]:
+    """The fields given: `null` is absent for a field of the tool's schema that the operation
+    does not require (strict-mode clients send every field of the schema, `null` where unused);
+    a field of the other tool's schema stays unknown."""
     return {
         name: value for name, value in arguments.items()
-        if value is not None or name not in _TOOL_FIELDS or name in required
+        if value is not None or name not in _TOOL_FIELDS[team] or name in required
     }  # fmt: skip
 
 
@@ -2176,7 +2178,7 @@ def _parse_request(
     if not isinstance(operation, str) or operation not in _FIELDS:
         raise InvalidRequest("memory operation must be one of scan, read, put, delete")
     required, optional, _ = (_TEAM_FIELDS if team else _FIELDS)[operation]
-    arguments = _present(arguments, required)
+    arguments = _present(arguments, required, team)
     _check_fields(arguments, ("operation", *required), optional, f"memory {operation}")
     return _OPERATIONS[operation](arguments, limits, ("namespace",) if team else ())
 

@@ -4012,6 +4012,30 @@ def test_strict_clients_null_every_field_an_operation_does_not_use(db: Path) -> 
         assert_output_shape(answer)
 
 
+def test_null_is_absent_only_for_fields_of_the_tools_own_schema(db: Path) -> None:
+    """Issue 17 review: team memory's fields (`keys`, `namespace`) are not in the local tool's
+    schema, so the local tool refuses them even as `null`, as it did before team memory; the
+    team tool, whose schema has no `ids`, refuses a `null` `ids` likewise, and takes every
+    `null` its own strict schema sends."""
+    local = {"operation": "scan", "query": "strict mode"}
+    with Store(db) as store:
+        tool = MemoryTool(store, root=True)
+        for field in ("keys", "namespace"):
+            answer = tool.call({**local, field: None})
+            assert answer.get("error", {}).get("code") == "invalid_request", (field, answer)
+        assert "error" not in tool.call({**local, "ids": None, "replace": None})
+    key = {"id": 1, "version": 1, "namespace": "alice"}
+    blank = dict.fromkeys(tool_definition(strict=True, team=True)["input_schema"]["properties"])
+    team = tactmem._parse_request(
+        {**blank, "operation": "read", "keys": [key]}, Limits(), team=True
+    )
+    assert team.keys == (tactmem.RemoteKey(1, 1, "alice"),)
+    with pytest.raises(tactmem.InvalidRequest, match="unknown field"):
+        tactmem._parse_request(
+            {"operation": "read", "keys": [key], "ids": None}, Limits(), team=True
+        )
+
+
 def test_schema_numbers_come_from_the_limits_in_use(tmp_path: Path) -> None:
     limits = Limits(content_bytes=16, query_bytes=8, scan_results=2)
     definition = tool_definition(limits=limits)
