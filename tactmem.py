@@ -1670,11 +1670,17 @@ def _secret_rows(texts: Sequence[str], terms: Iterable[str]) -> set[int]:
 
 
 def _hidden(content: object) -> bool:
-    """Rows no agent may see: secret-shaped content, or from a foreign writer a value that is
-    not text or is text a put would refuse as empty or for a NUL character."""
-    if not isinstance(content, str) or not content or "\0" in content:
+    """Rows no agent may see: `_screened` content, or from a foreign writer a value that is
+    not text or is text a put would refuse as empty."""
+    if not isinstance(content, str) or not content or _WS_RUN.fullmatch(content):
         return True
-    return _WS_RUN.fullmatch(content) is not None or find_secret(content) is not None
+    return _screened(content)
+
+
+def _screened(text: str) -> bool:
+    """Text no agent is shown, stored or sent it (a foreign store's, a server's answer): it is
+    secret-shaped, or holds a NUL character, which no backend stores (PostgreSQL text cannot)."""
+    return "\0" in text or find_secret(text) is not None
 
 
 # The metadata a shown row must hold as integers (besides its version, at least 1, and the two
@@ -3915,7 +3921,7 @@ def _where(record: Record) -> _Cursor:
 
 def _sound(record: Record) -> bool:
     """The original client's record check: text within the content bound, not blank, and
-    `updated >= created >= 0`. (Secret-shaped content is checked apart: it is dropped.)"""
+    `updated >= created >= 0`. (`_screened` content is checked apart: it is dropped.)"""
     size = len(record.content.encode("utf-8"))  # `_remote_record` took only UTF-8 text
     blank = not record.content or _WS_RUN.fullmatch(record.content) is not None
     return (
@@ -3926,7 +3932,7 @@ def _sound(record: Record) -> bool:
 
 
 def _remote_records(answer: object, most: int) -> list[Record]:
-    """The sound, not secret-shaped records of a read or list answer of at most `most`
+    """The sound, not `_screened` records of a read or list answer of at most `most`
     records, none twice."""
     items = _exactly(answer, ("memories",))["memories"]
     if not isinstance(items, list) or len(items) > most:
@@ -3934,12 +3940,12 @@ def _remote_records(answer: object, most: int) -> list[Record]:
     records = [_remote_record(item) for item in items]
     if len(set(map(_where, records))) < len(records):
         raise RemoteInvalid()
-    return [r for r in records if _sound(r) and find_secret(r.content) is None]
+    return [r for r in records if _sound(r) and not _screened(r.content)]
 
 
 def _remote_cards(answer: object, limit: int) -> tuple[Candidate, ...]:
     """A scan answer: at most `limit` cards, each key once, finite scores from high to low,
-    previews of at most 64 bytes; secret-shaped previews are dropped. The protocol sends no
+    previews of at most 64 bytes; `_screened` previews are dropped. The protocol sends no
     coverage: every card's is 0."""
     items = _exactly(answer, ("candidates",))["candidates"]
     if not isinstance(items, list) or len(items) > limit:
@@ -3956,7 +3962,7 @@ def _remote_cards(answer: object, limit: int) -> tuple[Candidate, ...]:
             raise RemoteInvalid()
         seen.add((key.namespace, key.id))
         last = score
-        if find_secret(text) is None:
+        if not _screened(text):
             cards.append(Candidate(key, text, float(score), 0.0))
     return tuple(cards)
 
@@ -3994,7 +4000,7 @@ def _remote_page(
 ) -> tuple[list[Record], _Cursor | None]:
     """An export page: at most `limit` records of the selected namespaces, strictly after
     `after` in `(namespace, id)` order, and a next cursor that is exactly the last record's key
-    (None at the end). A secret-shaped record is dropped; any other unsound one refused."""
+    (None at the end). A `_screened` record is dropped; any other unsound one refused."""
     page = _exactly(answer, ("memories", "next_cursor"))
     items = page["memories"]
     if not isinstance(items, list) or len(items) > limit:
@@ -4013,7 +4019,7 @@ def _remote_page(
         following = (raw["namespace"], _remote_int(raw["id"]))
         if not records or following != previous:
             raise RemoteInvalid()
-    return [r for r in records if find_secret(r.content) is None], following
+    return [r for r in records if not _screened(r.content)], following
 
 
 # What each error code of the protocol means here (README, "Team memory").

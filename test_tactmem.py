@@ -6313,6 +6313,40 @@ def test_remote_store_drops_secret_shaped_and_unsound_records() -> None:
         stub.close()
 
 
+def test_remote_store_drops_records_holding_a_nul_as_it_drops_secret_shaped_ones(
+    tmp_path: Path,
+) -> None:
+    """Issue 17 review: no tactmem backend stores a NUL character, but the original's server
+    can hold one. Such a record is screened out like a secret-shaped one (list, read, scan,
+    export), so `tactmem pull` merges the rest instead of failing on a record it may not store,
+    and an agent is never handed a card whose record it cannot have."""
+    nul = "before\x00after, a note from a Tact server"
+    records = [wire(1, "a note"), wire(2, nul)]
+    stub = StubServer({
+        "session": SESSION,
+        "memories/list": (200, {}, {"memories": records}),
+        "memories/read": (200, {}, {"memories": records}),
+        "memories/scan": (200, {}, scan_of(card(1, 2.0), card(2, 1.0, preview=nul[:30]))),
+        "memories/export": (200, {}, {"memories": records, "next_cursor": None}),
+    })  # fmt: skip
+    try:
+        store = stub.store()
+        assert [r.key.id for r in store.list()] == [1]
+        assert [r.key.id for r in store.read([1, 2])] == [1]
+        assert [c.key.id for c in store.scan("note").candidates] == [1]
+        assert [r.content for r in store.export()] == ["a note"]
+        (tmp_path / "work").mkdir()
+        config = team_config(tmp_path, stub.url, ["work"])
+        pulled = run_in(tmp_path, config, "pull", "--all")
+        assert pulled.stdout == "Pulled all namespaces: 1 fetched, 1 inserted, 0 skipped.\n", (
+            pulled.stderr
+        )
+        with Store(memory_db_path(config)) as local:
+            assert [r.content for r in local.list()] == ["a note"]
+    finally:
+        stub.close()
+
+
 def test_remote_store_retries_as_the_original_client() -> None:
     unavailable = (503, {"retry-after": "0"}, {"code": "unavailable"})
     stub = StubServer(
