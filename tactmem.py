@@ -2656,9 +2656,10 @@ def _probation_label(record: Record, now_ms: int) -> str:
     return "probation <1m" if left < 60_000 else f"probation {_age(left)}"
 
 
-def _key_label(key: Key) -> str:
-    """`#7`, or for a team record its namespace first: `alice#7`."""
-    return f"{getattr(key, 'namespace', '')}#{key.id}"
+def _key_label(key: Key, namespace_cells: int = 128) -> str:
+    """`#7`, or for a team record its namespace first: `alice#7`, the namespace cut to
+    `namespace_cells` (`_fit`: the browser keeps room for the id and what follows it)."""
+    return f"{_fit(getattr(key, 'namespace', ''), namespace_cells)}#{key.id}"
 
 
 def _record_heading(record: Record, now_ms: int) -> str:
@@ -2916,6 +2917,7 @@ def _browse_step(state: _Browser, event: _Event) -> _Step:
 
 
 _READ_ONLY: Final = "Team memory is read-only here: tactmem delete ID@VERSION changes your own."
+_SHOWN_NAMESPACE: Final = 24  # the cells of a namespace in labels: a 128-long one hid the id
 
 
 def _act(
@@ -2978,7 +2980,8 @@ def _browse_screen(state: _Browser, width: int, height: int) -> list[tuple[str, 
 def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str]]:
     agents = "" if state.enabled is not False else "  · memory disabled for agents"
     query = _displayable(state.query, mark=" ")
-    memory = f"Team memory ({state.team}, read-only)" if state.team else "Memory"
+    team = _fit(state.team, _SHOWN_NAMESPACE)
+    memory = f"Team memory ({team}, read-only)" if state.team else "Memory"
     title = f" {memory} · Filter: {query}  Sort: {_SORTS[state.sort][0]}{agents}"
     lines = [("title", title)]
     shown = state.shown()
@@ -3000,7 +3003,7 @@ def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str
         marker = "› " if index == position else "  "
         text = _displayable(_first_graphemes(record.content, _PREVIEW_GRAPHEMES), mark=" ")
         meta = (
-            f"{_key_label(record.key)} · v{record.key.version} · updated"
+            f"{_key_label(record.key, _SHOWN_NAMESPACE)} · v{record.key.version} · updated"
             f" {_age(state.now_ms - record.updated_at_ms)} ago · used {record.use_count}×"
             f" · {_probation_label(record, state.now_ms)}"
         )
@@ -3015,7 +3018,8 @@ def _detail_lines(state: _Browser, width: int, height: int) -> list[tuple[str, s
     body = _detail_body(record, state.now_ms, width)
     room = max(0, height - 2)
     start = min(state.scroll, max(0, len(body) - room))
-    return [("title", f" Memory {_key_label(record.key)}"), *body[start : start + room]]
+    label = _key_label(record.key, _SHOWN_NAMESPACE)
+    return [("title", f" Memory {label}"), *body[start : start + room]]
 
 
 def _detail_body(record: Record, now: int, width: int) -> list[tuple[str, str]]:
@@ -3025,7 +3029,9 @@ def _detail_body(record: Record, now: int, width: int) -> list[tuple[str, str]]:
         return "never" if time_ms is None else f"{_utc(time_ms)} ({_age(now - time_ms)} ago)"
 
     until = record.probation_until_ms
+    namespace = getattr(record.key, "namespace", None)  # a team record's, uncut by labels
     metadata = [
+        *([] if namespace is None else [f"Namespace: {namespace}"]),
         f"ID: {record.key.id}",
         f"Version: {record.key.version}",
         f"Created: {when(record.created_at_ms)}",

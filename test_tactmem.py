@@ -4556,6 +4556,25 @@ def test_the_browser_shows_team_records_read_only_with_their_namespace() -> None
     assert [r.content for r in filtered.shown()] == [records[1].content]
 
 
+def test_the_browser_keeps_ids_in_sight_whatever_the_namespace_length() -> None:
+    """Issue 17 review: a namespace may be 128 characters. Cut to the window, such a label
+    used to lose the id and everything after it, so two records looked the same, and a long
+    own namespace pushed the filter out of the title. Labels cut the namespace instead; the
+    detail view names it on a line of its own."""
+    own, other = "platform-infrastructure." + "x" * 104, "n" * 128
+    records = [team_record(other, 7, "First note."), team_record(other, 8, "Second note.")]
+    state, _ = tactmem._browse_step(tactmem._Browser(team=own), ("loaded", records, 0))
+    lines = screen_text(state, 80, 10).splitlines()
+    assert "Filter:" in lines[0] and "platform-infra" in lines[0]
+    assert any("#7 · v1 · updated" in line for line in lines)
+    assert any("#8 · v1 · updated" in line for line in lines)
+    state, _ = tactmem._browse_step(state, ("key", "enter"))
+    detail = screen_text(state, 80, 24).splitlines()
+    assert detail[0].endswith("#8") and f" Namespace: {other}"[:79] + "…" in detail
+    local = screen_text(press(loaded(rec(3, content="A local note.")), "enter")[0])
+    assert local.splitlines()[:3] == [" Memory #3", " Memory metadata", " ID: 3"]
+
+
 def test_browse_inside_a_workspace_root_shows_team_memory(team: TeamServer, tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
