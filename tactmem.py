@@ -1670,11 +1670,17 @@ def _secret_rows(texts: Sequence[str], terms: Iterable[str]) -> set[int]:
 
 
 def _hidden(content: object) -> bool:
-    """Rows no agent may see: secret-shaped content, or from a foreign writer a value that is
-    not text or is text a put would refuse as empty or for a NUL character."""
-    if not isinstance(content, str) or not content or "\0" in content:
+    """Rows no agent may see: `_screened` content, or from a foreign writer a value that is
+    not text or is text a put would refuse as empty."""
+    if not isinstance(content, str) or not content or _WS_RUN.fullmatch(content):
         return True
-    return _WS_RUN.fullmatch(content) is not None or find_secret(content) is not None
+    return _screened(content)
+
+
+def _screened(text: str) -> bool:
+    """Text no agent is shown, stored or sent it (a foreign store's, a server's answer): it is
+    secret-shaped, or holds a NUL character, which no backend stores (PostgreSQL text cannot)."""
+    return "\0" in text or find_secret(text) is not None
 
 
 # The metadata a shown row must hold as integers (besides its version, at least 1, and the two
@@ -2143,18 +2149,20 @@ _TEAM_FIELDS: Final = {
 }
 
 
-_TOOL_FIELDS: Final = frozenset(
-    field for table in (_FIELDS, _TEAM_FIELDS) for req, opt, _ in table.values()
-    for field in (*req, *opt)
-)  # fmt: skip
+# Each tool's fields (`team`: team memory's): the ones its strict schema sends as `null`.
+_TOOL_FIELDS: Final = {
+    team: frozenset(field for req, opt, _ in table.values() for field in (*req, *opt))
+    for team, table in ((False, _FIELDS), (True, _TEAM_FIELDS))
+}
 
 
-def _present(arguments: Mapping[str, Any], required: tuple[str, ...]) -> dict[str, Any]:
-    """The fields given: `null` is absent for a tool field the operation does not require
-    (strict-mode clients send every field of the schema, `null` where unused)."""
+def _present(arguments: Mapping[str, Any], required: tuple[str, ...], team: bool) -> dict[str, Any]:
+    """The fields given: `null` is absent for a field of the tool's schema that the operation
+    does not require (strict-mode clients send every field of the schema, `null` where unused);
+    a field of the other tool's schema stays unknown."""
     return {
         name: value for name, value in arguments.items()
-        if value is not None or name not in _TOOL_FIELDS or name in required
+        if value is not None or name not in _TOOL_FIELDS[team] or name in required
     }  # fmt: skip
 
 
@@ -2176,7 +2184,7 @@ def _parse_request(
     if not isinstance(operation, str) or operation not in _FIELDS:
         raise InvalidRequest("memory operation must be one of scan, read, put, delete")
     required, optional, _ = (_TEAM_FIELDS if team else _FIELDS)[operation]
-    arguments = _present(arguments, required)
+    arguments = _present(arguments, required, team)
     _check_fields(arguments, ("operation", *required), optional, f"memory {operation}")
     return _OPERATIONS[operation](arguments, limits, ("namespace",) if team else ())
 
@@ -2648,9 +2656,10 @@ def _probation_label(record: Record, now_ms: int) -> str:
     return "probation <1m" if left < 60_000 else f"probation {_age(left)}"
 
 
-def _key_label(key: Key) -> str:
-    """`#7`, or for a team record its namespace first: `alice#7`."""
-    return f"{getattr(key, 'namespace', '')}#{key.id}"
+def _key_label(key: Key, namespace_cells: int = 128) -> str:
+    """`#7`, or for a team record its namespace first: `alice#7`, the namespace cut to
+    `namespace_cells` (`_fit`: the browser keeps room for the id and what follows it)."""
+    return f"{_fit(getattr(key, 'namespace', ''), namespace_cells)}#{key.id}"
 
 
 def _record_heading(record: Record, now_ms: int) -> str:
@@ -2908,6 +2917,7 @@ def _browse_step(state: _Browser, event: _Event) -> _Step:
 
 
 _READ_ONLY: Final = "Team memory is read-only here: tactmem delete ID@VERSION changes your own."
+_SHOWN_NAMESPACE: Final = 24  # the cells of a namespace in labels: a 128-long one hid the id
 
 
 def _act(
@@ -2970,7 +2980,8 @@ def _browse_screen(state: _Browser, width: int, height: int) -> list[tuple[str, 
 def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str]]:
     agents = "" if state.enabled is not False else "  · memory disabled for agents"
     query = _displayable(state.query, mark=" ")
-    memory = f"Team memory ({state.team}, read-only)" if state.team else "Memory"
+    team = _fit(state.team, _SHOWN_NAMESPACE)
+    memory = f"Team memory ({team}, read-only)" if state.team else "Memory"
     title = f" {memory} · Filter: {query}  Sort: {_SORTS[state.sort][0]}{agents}"
     lines = [("title", title)]
     shown = state.shown()
@@ -2992,7 +3003,7 @@ def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str
         marker = "› " if index == position else "  "
         text = _displayable(_first_graphemes(record.content, _PREVIEW_GRAPHEMES), mark=" ")
         meta = (
-            f"{_key_label(record.key)} · v{record.key.version} · updated"
+            f"{_key_label(record.key, _SHOWN_NAMESPACE)} · v{record.key.version} · updated"
             f" {_age(state.now_ms - record.updated_at_ms)} ago · used {record.use_count}×"
             f" · {_probation_label(record, state.now_ms)}"
         )
@@ -3007,7 +3018,8 @@ def _detail_lines(state: _Browser, width: int, height: int) -> list[tuple[str, s
     body = _detail_body(record, state.now_ms, width)
     room = max(0, height - 2)
     start = min(state.scroll, max(0, len(body) - room))
-    return [("title", f" Memory {_key_label(record.key)}"), *body[start : start + room]]
+    label = _key_label(record.key, _SHOWN_NAMESPACE)
+    return [("title", f" Memory {label}"), *body[start : start + room]]
 
 
 def _detail_body(record: Record, now: int, width: int) -> list[tuple[str, str]]:
@@ -3017,7 +3029,9 @@ def _detail_body(record: Record, now: int, width: int) -> list[tuple[str, str]]:
         return "never" if time_ms is None else f"{_utc(time_ms)} ({_age(now - time_ms)} ago)"
 
     until = record.probation_until_ms
+    namespace = getattr(record.key, "namespace", None)  # a team record's, uncut by labels
     metadata = [
+        *([] if namespace is None else [f"Namespace: {namespace}"]),
         f"ID: {record.key.id}",
         f"Version: {record.key.version}",
         f"Created: {when(record.created_at_ms)}",
@@ -3913,7 +3927,7 @@ def _where(record: Record) -> _Cursor:
 
 def _sound(record: Record) -> bool:
     """The original client's record check: text within the content bound, not blank, and
-    `updated >= created >= 0`. (Secret-shaped content is checked apart: it is dropped.)"""
+    `updated >= created >= 0`. (`_screened` content is checked apart: it is dropped.)"""
     size = len(record.content.encode("utf-8"))  # `_remote_record` took only UTF-8 text
     blank = not record.content or _WS_RUN.fullmatch(record.content) is not None
     return (
@@ -3924,7 +3938,7 @@ def _sound(record: Record) -> bool:
 
 
 def _remote_records(answer: object, most: int) -> list[Record]:
-    """The sound, not secret-shaped records of a read or list answer of at most `most`
+    """The sound, not `_screened` records of a read or list answer of at most `most`
     records, none twice."""
     items = _exactly(answer, ("memories",))["memories"]
     if not isinstance(items, list) or len(items) > most:
@@ -3932,12 +3946,12 @@ def _remote_records(answer: object, most: int) -> list[Record]:
     records = [_remote_record(item) for item in items]
     if len(set(map(_where, records))) < len(records):
         raise RemoteInvalid()
-    return [r for r in records if _sound(r) and find_secret(r.content) is None]
+    return [r for r in records if _sound(r) and not _screened(r.content)]
 
 
 def _remote_cards(answer: object, limit: int) -> tuple[Candidate, ...]:
     """A scan answer: at most `limit` cards, each key once, finite scores from high to low,
-    previews of at most 64 bytes; secret-shaped previews are dropped. The protocol sends no
+    previews of at most 64 bytes; `_screened` previews are dropped. The protocol sends no
     coverage: every card's is 0."""
     items = _exactly(answer, ("candidates",))["candidates"]
     if not isinstance(items, list) or len(items) > limit:
@@ -3954,7 +3968,7 @@ def _remote_cards(answer: object, limit: int) -> tuple[Candidate, ...]:
             raise RemoteInvalid()
         seen.add((key.namespace, key.id))
         last = score
-        if find_secret(text) is None:
+        if not _screened(text):
             cards.append(Candidate(key, text, float(score), 0.0))
     return tuple(cards)
 
@@ -3992,7 +4006,7 @@ def _remote_page(
 ) -> tuple[list[Record], _Cursor | None]:
     """An export page: at most `limit` records of the selected namespaces, strictly after
     `after` in `(namespace, id)` order, and a next cursor that is exactly the last record's key
-    (None at the end). A secret-shaped record is dropped; any other unsound one refused."""
+    (None at the end). A `_screened` record is dropped; any other unsound one refused."""
     page = _exactly(answer, ("memories", "next_cursor"))
     items = page["memories"]
     if not isinstance(items, list) or len(items) > limit:
@@ -4011,7 +4025,7 @@ def _remote_page(
         following = (raw["namespace"], _remote_int(raw["id"]))
         if not records or following != previous:
             raise RemoteInvalid()
-    return [r for r in records if find_secret(r.content) is None], following
+    return [r for r in records if not _screened(r.content)], following
 
 
 # What each error code of the protocol means here (README, "Team memory").

@@ -4012,6 +4012,30 @@ def test_strict_clients_null_every_field_an_operation_does_not_use(db: Path) -> 
         assert_output_shape(answer)
 
 
+def test_null_is_absent_only_for_fields_of_the_tools_own_schema(db: Path) -> None:
+    """Issue 17 review: team memory's fields (`keys`, `namespace`) are not in the local tool's
+    schema, so the local tool refuses them even as `null`, as it did before team memory; the
+    team tool, whose schema has no `ids`, refuses a `null` `ids` likewise, and takes every
+    `null` its own strict schema sends."""
+    local = {"operation": "scan", "query": "strict mode"}
+    with Store(db) as store:
+        tool = MemoryTool(store, root=True)
+        for field in ("keys", "namespace"):
+            answer = tool.call({**local, field: None})
+            assert answer.get("error", {}).get("code") == "invalid_request", (field, answer)
+        assert "error" not in tool.call({**local, "ids": None, "replace": None})
+    key = {"id": 1, "version": 1, "namespace": "alice"}
+    blank = dict.fromkeys(tool_definition(strict=True, team=True)["input_schema"]["properties"])
+    team = tactmem._parse_request(
+        {**blank, "operation": "read", "keys": [key]}, Limits(), team=True
+    )
+    assert team.keys == (tactmem.RemoteKey(1, 1, "alice"),)
+    with pytest.raises(tactmem.InvalidRequest, match="unknown field"):
+        tactmem._parse_request(
+            {"operation": "read", "keys": [key], "ids": None}, Limits(), team=True
+        )
+
+
 def test_schema_numbers_come_from_the_limits_in_use(tmp_path: Path) -> None:
     limits = Limits(content_bytes=16, query_bytes=8, scan_results=2)
     definition = tool_definition(limits=limits)
@@ -4530,6 +4554,25 @@ def test_the_browser_shows_team_records_read_only_with_their_namespace() -> None
     assert state.view == "list" and state.status == "Memory bob#1 is gone (deleted or expired)."
     filtered = tactmem._Browser(team="alice", records=tuple(records), loaded=True, query="bob#")
     assert [r.content for r in filtered.shown()] == [records[1].content]
+
+
+def test_the_browser_keeps_ids_in_sight_whatever_the_namespace_length() -> None:
+    """Issue 17 review: a namespace may be 128 characters. Cut to the window, such a label
+    used to lose the id and everything after it, so two records looked the same, and a long
+    own namespace pushed the filter out of the title. Labels cut the namespace instead; the
+    detail view names it on a line of its own."""
+    own, other = "platform-infrastructure." + "x" * 104, "n" * 128
+    records = [team_record(other, 7, "First note."), team_record(other, 8, "Second note.")]
+    state, _ = tactmem._browse_step(tactmem._Browser(team=own), ("loaded", records, 0))
+    lines = screen_text(state, 80, 10).splitlines()
+    assert "Filter:" in lines[0] and "platform-infra" in lines[0]
+    assert any("#7 · v1 · updated" in line for line in lines)
+    assert any("#8 · v1 · updated" in line for line in lines)
+    state, _ = tactmem._browse_step(state, ("key", "enter"))
+    detail = screen_text(state, 80, 24).splitlines()
+    assert detail[0].endswith("#8") and f" Namespace: {other}"[:79] + "…" in detail
+    local = screen_text(press(loaded(rec(3, content="A local note.")), "enter")[0])
+    assert local.splitlines()[:3] == [" Memory #3", " Memory metadata", " ID: 3"]
 
 
 def test_browse_inside_a_workspace_root_shows_team_memory(team: TeamServer, tmp_path: Path) -> None:
@@ -6285,6 +6328,40 @@ def test_remote_store_drops_secret_shaped_and_unsound_records() -> None:
         assert [r.key.id for r in store.list()] == [1]
         assert [c.key.id for c in store.scan("note").candidates] == [1]
         assert [r.content for r in store.export()] == ["a note"]
+    finally:
+        stub.close()
+
+
+def test_remote_store_drops_records_holding_a_nul_as_it_drops_secret_shaped_ones(
+    tmp_path: Path,
+) -> None:
+    """Issue 17 review: no tactmem backend stores a NUL character, but the original's server
+    can hold one. Such a record is screened out like a secret-shaped one (list, read, scan,
+    export), so `tactmem pull` merges the rest instead of failing on a record it may not store,
+    and an agent is never handed a card whose record it cannot have."""
+    nul = "before\x00after, a note from a Tact server"
+    records = [wire(1, "a note"), wire(2, nul)]
+    stub = StubServer({
+        "session": SESSION,
+        "memories/list": (200, {}, {"memories": records}),
+        "memories/read": (200, {}, {"memories": records}),
+        "memories/scan": (200, {}, scan_of(card(1, 2.0), card(2, 1.0, preview=nul[:30]))),
+        "memories/export": (200, {}, {"memories": records, "next_cursor": None}),
+    })  # fmt: skip
+    try:
+        store = stub.store()
+        assert [r.key.id for r in store.list()] == [1]
+        assert [r.key.id for r in store.read([1, 2])] == [1]
+        assert [c.key.id for c in store.scan("note").candidates] == [1]
+        assert [r.content for r in store.export()] == ["a note"]
+        (tmp_path / "work").mkdir()
+        config = team_config(tmp_path, stub.url, ["work"])
+        pulled = run_in(tmp_path, config, "pull", "--all")
+        assert pulled.stdout == "Pulled all namespaces: 1 fetched, 1 inserted, 0 skipped.\n", (
+            pulled.stderr
+        )
+        with Store(memory_db_path(config)) as local:
+            assert [r.content for r in local.list()] == ["a note"]
     finally:
         stub.close()
 
