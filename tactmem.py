@@ -5131,11 +5131,17 @@ class RemoteStore:
         named = _check_id_count(
             list(itertools.islice(keys, _most_ids(self.limits) + 1)), self.limits
         )
-        for key in named:
-            if not isinstance(key, RemoteKey) or not _addressable(key.id):
-                raise InvalidRequest("read_keys takes the RemoteKeys of scan cards or records")
-            _check_namespace(key.namespace)
-        return self._read([], list(dict.fromkeys(named)))
+        if not all(isinstance(key, Key) for key in named):
+            raise InvalidRequest("read_keys takes the RemoteKeys of scan cards or records")
+        # As in the original, a key no team record can have is left out, as `read` leaves out
+        # such ids: a `Key` without a namespace, a malformed namespace, an id or version out
+        # of range.
+        wanted = [
+            key for key in dict.fromkeys(named)
+            if isinstance(key, RemoteKey) and _addressable(key.id) and _addressable(key.version)
+            and isinstance(key.namespace, str) and _REMOTE_NAMESPACE.fullmatch(key.namespace)
+        ]  # fmt: skip
+        return self._read([], wanted)
 
     def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
         """Add a conclusion to this namespace, or replace one of its records at `replace`."""

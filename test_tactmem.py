@@ -6327,7 +6327,7 @@ def stubbed(answers: dict[str, Any]) -> Iterator[StubServer]:
 def test_client_retries_safe_operations_but_does_not_replay_put_responses() -> None:
     """client_retries_safe_operations_but_does_not_replay_put_responses: a list answered 503 once
     is repeated and succeeds; a put answered 503 is sent once and is `unavailable`."""
-    unavailable = (503, {}, {"code": "unavailable"})
+    unavailable: Any = (503, {}, {"code": "unavailable"})
     answers = iter([unavailable, (200, {}, {"memories": []})])
     with stubbed({"memories/list": lambda *_: next(answers), "memories/put": unavailable}) as stub:
         store = stub.store()
@@ -6492,6 +6492,13 @@ def test_client_rejects_ambiguous_versions_for_an_unversioned_id() -> None:
         pytest.raises(tactmem.RemoteInvalid),
     ):
         stub.store().read([1])
+
+
+def test_client_ignores_namespace_less_remote_keys() -> None:
+    """client_ignores_namespace_less_remote_keys: a key without a namespace names no team
+    record; reading it finds nothing, and nothing is sent (the endpoint is port 1)."""
+    store = tactmem.RemoteStore("http://127.0.0.1:1/", "alice", ALICE_TOKEN)
+    assert store.read_keys([Key(1, 1)]) == ()  # type: ignore[list-item]
 
 
 def test_client_rejects_ambiguous_versions_in_list_responses() -> None:
