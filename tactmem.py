@@ -3843,7 +3843,8 @@ def _remote_cards(answer: object, limit: int) -> tuple[Candidate, ...]:
         key, text, score = _remote_key(card["key"]), card["preview"], card["score"]
         if not _is_text(text) or len(text.encode("utf-8")) > _PREVIEW_BYTES:
             raise RemoteInvalid()
-        if not (type(score) is float or _is_count(score)) or not 0 <= score <= last:  # NaN too
+        finite = type(score) is float and math.isfinite(score)  # json reads 1e400 as inf
+        if not (finite or _is_count(score)) or not 0 <= score <= last:
             raise RemoteInvalid()
         if (key.namespace, key.id) in seen:
             raise RemoteInvalid()

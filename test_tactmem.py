@@ -6161,6 +6161,11 @@ REFUSED: list[tuple[str, Any, Callable[[tactmem.RemoteStore], object]]] = [
         lambda s: s.session(),
     ),
     ("memories/scan", (200, {}, scan_of(card(1, score=10**400))), lambda s: s.scan("q")),
+    (  # a float beyond range: json reads it as infinity, and a score must be finite
+        "memories/scan",
+        (200, {}, json.dumps(scan_of(card(1, score="INF"))).replace('"INF"', "1e400").encode()),
+        lambda s: s.scan("q"),
+    ),
     ("memories/scan", (200, {}, b'{"candidates": [{"score": NaN}]}'), lambda s: s.scan("q")),
     ("memories/list", (409, {}, {"code": ["conflict"]}), lambda s: s.list()),
     ("memories/list", (404, {}, b""), lambda s: s.list()),
