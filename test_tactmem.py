@@ -6789,7 +6789,7 @@ def test_push_reconciles_local_writes_that_race_the_snapshot(
     snapshots: list[int] = []
     racing, written = [1], itertools.count(1)  # how many syncs write a local record meanwhile
 
-    def sync(body: Any) -> tuple[int, dict[str, str], Any]:
+    def sync(body: Any, *_: object) -> tuple[int, dict[str, str], Any]:
         snapshots.append(len(body["memories"]))
         if len(snapshots) <= racing[0]:
             with Store(memory_db_path(config)) as local:
