@@ -6167,6 +6167,28 @@ REFUSED: list[tuple[str, Any, Callable[[tactmem.RemoteStore], object]]] = [
         lambda s: s.scan("q"),
     ),
     ("memories/scan", (200, {}, b'{"candidates": [{"score": NaN}]}'), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, scan_of(card(1, version=0))), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, scan_of(card(1, score=-0.5))), lambda s: s.scan("q")),
+    (
+        "memories/sync",
+        (200, {}, {"inserted": "0", "replaced": 0, "unchanged": 0, "deleted": 0}),
+        lambda s: s.sync([]),
+    ),
+    (
+        "memories/delete",
+        (200, {}, {"deleted": True}),
+        lambda s: s.delete(tactmem.RemoteKey(1, 1, "alice")),
+    ),
+    (
+        "memories/export",
+        (200, {}, {"memories": [wire(1)], "next_cursor": {"namespace": "alice", "id": "1"}}),
+        lambda s: s.export(),
+    ),
+    (
+        "memories/export",
+        (200, {}, {"memories": [wire(1)], "next_cursor": {"namespace": "alice", "id": 1, "x": 0}}),
+        lambda s: s.export(),
+    ),
     ("memories/list", (409, {}, {"code": ["conflict"]}), lambda s: s.list()),
     ("memories/list", (404, {}, b""), lambda s: s.list()),
     ("memories/list", (400, {}, b"<html>" + HOSTILE.encode()), lambda s: s.list()),
