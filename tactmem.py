@@ -3869,8 +3869,9 @@ def _parse_export(data: bytes, limits: Limits) -> _Parsed:
 # ------------------------------------------------------------------------ remote answers
 # Team memory (README, "Team memory"): what `RemoteStore` checks before it sends anything and
 # in every answer of a server speaking Tact's remote protocol v1 before any of it is used:
-# shapes and JSON types exactly, then the original client's bounds and order. A secret-shaped
-# card or record is dropped. Every refusal is a `RemoteError` that quotes nothing it received.
+# its shape, exactly (`_REMOTE_ANSWERS`), then the original client's bounds and order. A
+# secret-shaped card or record is dropped. Every refusal is a `RemoteError` that quotes nothing
+# it received.
 
 _REMOTE_NAMESPACE: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _REMOTE_TOKEN: Final = re.compile(r"[A-Za-z0-9._~+/=-]{1,4096}")
@@ -3881,43 +3882,75 @@ _INCOMPATIBLE: Final = "remote memory server speaks another protocol (is the end
 _Cursor = tuple[str, int]  # an export position: a namespace and an id
 
 
+def _is_namespace(value: object) -> bool:
+    return isinstance(value, str) and _REMOTE_NAMESPACE.fullmatch(value) is not None
+
+
 def _check_namespace(namespace: object) -> str:
-    if not isinstance(namespace, str) or not _REMOTE_NAMESPACE.fullmatch(namespace):
+    if not _is_namespace(namespace):
         raise ConfigError(
             "remote memory namespace must be 1 to 128 ASCII letters, digits, '.', '-' or '_'"
         )
-    return namespace
+    return str(namespace)
 
 
-def _remote_int(value: object, low: int = 1) -> int:
-    if type(value) is not int or not low <= value <= _MAX_SQL_INT:
+# The shape of every answer, by route: what each field holds, as a check, the shape of an
+# object or `[shape]`, a list of such objects. An object has exactly its shape's fields (the
+# protocol has no optional ones). `RemoteStore.session` checks the session's version and
+# namespace itself (a mismatch is `RemoteDenied`).
+_Shape = Callable[[Any], bool] | dict[str, "_Shape"] | list["_Shape"]
+_WIRE_KEY: Final[_Shape] = {"id": _is_id, "version": _is_id, "namespace": _is_namespace}
+_WIRE_RECORD: Final[_Shape] = {
+    "key": _WIRE_KEY, **{name: check for name, (check, _) in list(_RECORD_FIELDS.items())[1:]}
+}  # fmt: skip
+_WIRE_CARD: Final[_Shape] = {
+    "key": _WIRE_KEY,
+    "preview": lambda v: _is_text(v) and len(v.encode()) <= _PREVIEW_BYTES,
+    # a 64-bit count or a finite float (json reads 1e400 as infinity), not negative nor NaN
+    "score": lambda v: ((type(v) is float and math.isfinite(v)) or _is_count(v)) and v >= 0,
+}
+_WIRE_CURSOR: Final[_Shape] = {"namespace": _is_namespace, "id": _is_id}
+_REMOTE_ANSWERS: Final[dict[str, _Shape]] = {
+    "session": {"protocol_version": lambda _: True, "namespace": lambda _: True,
+                "role": lambda v: v in ("reader", "writer")},
+    "memories/scan": {"candidates": [_WIRE_CARD]},
+    "memories/read": {"memories": [_WIRE_RECORD]},
+    "memories/list": {"memories": [_WIRE_RECORD]},
+    "memories/put": {"memory": _WIRE_RECORD},
+    "memories/delete": {},
+    "memories/sync": dict.fromkeys(_SYNC_COUNTS, _is_count),
+    "memories/export": {"memories": [_WIRE_RECORD],
+                        "next_cursor": lambda v: v is None or _fits(v, _WIRE_CURSOR)},
+}  # fmt: skip
+
+
+def _fits(value: Any, shape: _Shape) -> bool:
+    """Whether a JSON value has this shape (see `_REMOTE_ANSWERS`)."""
+    if isinstance(shape, list):
+        return isinstance(value, list) and all(_fits(item, shape[0]) for item in value)
+    if isinstance(shape, dict):
+        fields = isinstance(value, dict) and value.keys() == shape.keys()
+        return fields and all(_fits(value[name], field) for name, field in shape.items())
+    return shape(value)
+
+
+def _remote_answer(route: str, data: bytes) -> Any:
+    """A success answer of `route`: strict JSON (no repeated field, NaN or Infinity) of the
+    route's shape (`_REMOTE_ANSWERS`)."""
+    import json
+
+    try:
+        answer = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_once)
+    except (ValueError, RecursionError):
+        answer = None  # fits no shape
+    if not _fits(answer, _REMOTE_ANSWERS[route]):
         raise RemoteInvalid()
-    return value
+    return answer
 
 
-def _exactly(value: object, fields: Iterable[str]) -> dict[str, Any]:
-    """An answer object with exactly these fields (the protocol has no optional ones)."""
-    if not isinstance(value, dict) or value.keys() != set(fields):
-        raise RemoteInvalid()
-    return value
-
-
-def _remote_key(value: object) -> RemoteKey:
-    key = _exactly(value, ("id", "version", "namespace"))
-    namespace = key["namespace"]
-    if not isinstance(namespace, str) or not _REMOTE_NAMESPACE.fullmatch(namespace):
-        raise RemoteInvalid()
-    return RemoteKey(_remote_int(key["id"]), _remote_int(key["version"]), namespace)
-
-
-def _remote_record(value: object) -> Record:
-    """A record of an answer, its fields checked as an export's are (`_RECORD_FIELDS`)."""
-    record = _exactly(value, _RECORD_FIELDS)
-    key = _remote_key(record["key"])
-    rest = list(_RECORD_FIELDS)[1:]
-    if not all(_RECORD_FIELDS[name][0](record[name]) for name in rest):
-        raise RemoteInvalid()
-    return Record(key, *(record[name] for name in rest))
+def _record_of(wire: Mapping[str, Any]) -> Record:
+    """The record of an answer's `_WIRE_RECORD`."""
+    return Record(RemoteKey(**wire["key"]), *(wire[name] for name in list(_RECORD_FIELDS)[1:]))
 
 
 def _where(record: Record) -> _Cursor:
@@ -3928,7 +3961,7 @@ def _where(record: Record) -> _Cursor:
 def _sound(record: Record) -> bool:
     """The original client's record check: text within the content bound, not blank, and
     `updated >= created >= 0`. (`_screened` content is checked apart: it is dropped.)"""
-    size = len(record.content.encode("utf-8"))  # `_remote_record` took only UTF-8 text
+    size = len(record.content.encode("utf-8"))  # `_WIRE_RECORD` takes only UTF-8 text
     blank = not record.content or _WS_RUN.fullmatch(record.content) is not None
     return (
         not blank
@@ -3937,94 +3970,67 @@ def _sound(record: Record) -> bool:
     )
 
 
-def _remote_records(answer: object, most: int) -> list[Record]:
+def _remote_records(answer: Mapping[str, Any], most: int) -> list[Record]:
     """The sound, not `_screened` records of a read or list answer of at most `most`
     records, none twice."""
-    items = _exactly(answer, ("memories",))["memories"]
-    if not isinstance(items, list) or len(items) > most:
-        raise RemoteInvalid()
-    records = [_remote_record(item) for item in items]
-    if len(set(map(_where, records))) < len(records):
+    records = [_record_of(item) for item in answer["memories"]]  # its shape is checked
+    if len(records) > most or len(set(map(_where, records))) < len(records):
         raise RemoteInvalid()
     return [r for r in records if _sound(r) and not _screened(r.content)]
 
 
-def _remote_cards(answer: object, limit: int) -> tuple[Candidate, ...]:
-    """A scan answer: at most `limit` cards, each key once, finite scores from high to low,
-    previews of at most 64 bytes; `_screened` previews are dropped. The protocol sends no
-    coverage: every card's is 0."""
-    items = _exactly(answer, ("candidates",))["candidates"]
-    if not isinstance(items, list) or len(items) > limit:
+def _remote_cards(answer: Mapping[str, Any], limit: int) -> tuple[Candidate, ...]:
+    """A scan answer: at most `limit` cards, each key once, scores from high to low;
+    `_screened` previews are dropped. The protocol sends no coverage: every card's is 0."""
+    items = answer["candidates"]
+    places = {(card["key"]["namespace"], card["key"]["id"]) for card in items}
+    scores = [card["score"] for card in items]
+    if len(items) > limit or len(places) < len(items) or scores != sorted(scores, reverse=True):
         raise RemoteInvalid()
-    cards, seen, last = [], set(), math.inf
-    for item in items:
-        card = _exactly(item, ("key", "preview", "score"))
-        key, text, score = _remote_key(card["key"]), card["preview"], card["score"]
-        if not _is_text(text) or len(text.encode("utf-8")) > _PREVIEW_BYTES:
-            raise RemoteInvalid()
-        if not (type(score) is float or _is_count(score)) or not 0 <= score <= last:  # NaN too
-            raise RemoteInvalid()
-        if (key.namespace, key.id) in seen:
-            raise RemoteInvalid()
-        seen.add((key.namespace, key.id))
-        last = score
-        if not _screened(text):
-            cards.append(Candidate(key, text, float(score), 0.0))
-    return tuple(cards)
+    return tuple(
+        Candidate(RemoteKey(**card["key"]), card["preview"], float(card["score"]), 0.0)
+        for card in items
+        if not _screened(card["preview"])
+    )
 
 
-def _remote_put(answer: object, put: _Put, namespace: str) -> Record:
+def _remote_put(answer: Mapping[str, Any], put: _Put, namespace: str) -> Record:
     """A put's answer: the record, in this namespace, holding exactly the content sent, at
     version 1 (an insert) or the replaced key's id at its version + 1."""
-    record = _remote_record(_exactly(answer, ("memory",))["memory"])
-    key = record.key
-    wanted = (key.id, 1) if put.replace is None else (put.replace.id, put.replace.version + 1)
-    if (
-        not _sound(record)
-        or getattr(key, "namespace", None) != namespace
-        or record.content != put.content
-        or (key.id, key.version) != wanted
-    ):
+    record, old = _record_of(answer["memory"]), put.replace
+    found = (*_where(record), record.key.version)
+    wanted = (namespace, found[1], 1) if old is None else (namespace, old.id, old.version + 1)
+    if found != wanted or record.content != put.content or not _sound(record):
         raise RemoteInvalid()
     return record
 
 
-def _remote_sync(answer: object, sent: int) -> dict[str, int]:
+def _remote_sync(answer: Mapping[str, int], sent: int) -> dict[str, int]:
     """A sync report: inserted + replaced + unchanged is the snapshot's size; at most 512
     deleted."""
-    report = _exactly(answer, _SYNC_COUNTS)
-    counts = {name: _remote_int(report[name], 0) for name in _SYNC_COUNTS}
-    if sum(counts[name] for name in _SYNC_COUNTS[:3]) != sent:
+    applied = sum(answer[name] for name in _SYNC_COUNTS[:3])
+    if applied != sent or answer["deleted"] > _DEFAULT_LIMITS.records:
         raise RemoteInvalid()
-    if counts["deleted"] > _DEFAULT_LIMITS.records:
-        raise RemoteInvalid()
-    return counts
+    return dict(answer)
 
 
 def _remote_page(
-    answer: object, selected: frozenset[str] | None, after: _Cursor | None, limit: int
+    answer: Mapping[str, Any], selected: frozenset[str] | None, after: _Cursor | None, limit: int
 ) -> tuple[list[Record], _Cursor | None]:
     """An export page: at most `limit` records of the selected namespaces, strictly after
     `after` in `(namespace, id)` order, and a next cursor that is exactly the last record's key
     (None at the end). A `_screened` record is dropped; any other unsound one refused."""
-    page = _exactly(answer, ("memories", "next_cursor"))
-    items = page["memories"]
-    if not isinstance(items, list) or len(items) > limit:
+    records, cursor = [_record_of(item) for item in answer["memories"]], answer["next_cursor"]
+    places = list(map(_where, records))
+    following = None if cursor is None else (cursor["namespace"], cursor["id"])
+    if (
+        len(records) > limit
+        or following not in (None, *places[-1:])  # a cursor is the last record's place
+        or any(a >= b for a, b in itertools.pairwise([after, *places] if after else places))
+        or (selected is not None and any(place[0] not in selected for place in places))
+        or not all(map(_sound, records))
+    ):
         raise RemoteInvalid()
-    records, previous = [_remote_record(item) for item in items], after
-    for record in records:
-        here = _where(record)
-        if selected is not None and here[0] not in selected:
-            raise RemoteInvalid()
-        if (previous is not None and here <= previous) or not _sound(record):
-            raise RemoteInvalid()
-        previous = here
-    cursor, following = page["next_cursor"], None
-    if cursor is not None:
-        raw = _exactly(cursor, ("namespace", "id"))
-        following = (raw["namespace"], _remote_int(raw["id"]))
-        if not records or following != previous:
-            raise RemoteInvalid()
     return [r for r in records if not _screened(r.content)], following
 
 
@@ -5180,7 +5186,7 @@ class RemoteStore:
     Scans rank every namespace the token may see; `read` takes ids of this namespace (and
     `read_keys` versioned keys of any); put and delete change this namespace only. Input is
     checked by the same core rules as `Store` before anything is sent, and every answer is
-    checked before it is used (`_remote_cards`, `_remote_records`, `_remote_put`...). TLS is
+    checked before it is used (`_REMOTE_ANSWERS`, `_remote_cards`, `_remote_page`...). TLS is
     verified with the system's trust store; plain http is allowed only to this machine.
     Nothing is cached: an unreachable server is a `RemoteUnavailable`, never local memory."""
 
@@ -5224,15 +5230,11 @@ class RemoteStore:
         """This credential's role, `reader` or `writer`, after checking that the server speaks
         protocol 1 for this namespace (asked once per store)."""
         if self._role is None:
-            answer = _exactly(
-                self._call("session", None), ("protocol_version", "namespace", "role")
-            )
+            answer = self._call("session", None)
             if answer["protocol_version"] != 1 or type(answer["protocol_version"]) is not int:
                 raise RemoteDenied(_INCOMPATIBLE)
             if answer["namespace"] != self.namespace:
                 raise RemoteDenied("remote memory namespace does not match the credential")
-            if answer["role"] not in ("reader", "writer"):
-                raise RemoteInvalid()
             self._role = answer["role"]
         return self._role
 
@@ -5261,11 +5263,17 @@ class RemoteStore:
         named = _check_id_count(
             list(itertools.islice(keys, _most_ids(self.limits) + 1)), self.limits
         )
-        for key in named:
-            if not isinstance(key, RemoteKey) or not _addressable(key.id):
-                raise InvalidRequest("read_keys takes the RemoteKeys of scan cards or records")
-            _check_namespace(key.namespace)
-        return self._read([], list(dict.fromkeys(named)))
+        if not all(isinstance(key, Key) for key in named):
+            raise InvalidRequest("read_keys takes the RemoteKeys of scan cards or records")
+        # As in the original, a key no team record can have is left out, as `read` leaves out
+        # such ids: a `Key` without a namespace, a malformed namespace, an id or version out
+        # of range.
+        wanted = [
+            key for key in dict.fromkeys(named)
+            if isinstance(key, RemoteKey) and _addressable(key.id) and _addressable(key.version)
+            and _is_namespace(key.namespace)
+        ]  # fmt: skip
+        return self._read([], wanted)
 
     def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
         """Add a conclusion to this namespace, or replace one of its records at `replace`."""
@@ -5281,7 +5289,7 @@ class RemoteStore:
         del now_ms
         self._own(key)
         self.session()
-        _exactly(self._call("memories/delete", {"key": _wire_key(key, self.namespace)}), ())
+        self._call("memories/delete", {"key": _wire_key(key, self.namespace)})
 
     def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]:
         """Every visible record of every namespace, by namespace and id (at most 512)."""
@@ -5354,7 +5362,7 @@ class RemoteStore:
         )
 
     def _call(self, route: str, body: object) -> Any:
-        """One request, with the retries its route allows; the decoded JSON answer."""
+        """One request, with the retries its route allows; the answer, of the route's shape."""
         import json
 
         data = None if route == "session" else json.dumps(body).encode()
@@ -5370,12 +5378,7 @@ class RemoteStore:
                     time.sleep(backoff)
                     continue
                 if 200 <= status < 300:
-                    try:
-                        return json.loads(
-                            answer, parse_constant=_reject_constant, object_pairs_hook=_once
-                        )
-                    except (ValueError, RecursionError):
-                        raise RemoteInvalid() from None
+                    return _remote_answer(route, answer)
                 if status in _RETRIED and route in _REPEATABLE and backoff is not None:
                     time.sleep(min(retry_after, _RETRY_AFTER_MOST_S) if retry_after else backoff)
                     continue

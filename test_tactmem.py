@@ -6132,12 +6132,14 @@ def test_memory_tool_over_a_remote_store(team: TeamServer) -> None:
 
 class StubServer:
     """A tiny HTTP server on 127.0.0.1 that answers each route as a test says: (status,
-    headers, body) or a callable of the request body; it counts the requests of each route."""
+    headers, body) or a callable of the request's body and headers; it counts the requests of
+    each route and keeps each request's route, headers and body in `requests`."""
 
     def __init__(self, answers: dict[str, Any]) -> None:
         import http.server
 
         self.answers, self.hits = answers, Counter[str]()
+        self.requests: list[tuple[str, dict[str, str], Any]] = []
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -6149,8 +6151,9 @@ class StubServer:
                 length = int(self.headers.get("content-length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
                 stub.hits[route] += 1
+                stub.requests.append((route, {k.lower(): v for k, v in self.headers.items()}, body))
                 found = stub.answers.get(route, (404, {}, b""))
-                status, headers, data = found(body) if callable(found) else found
+                status, headers, data = found(body, self.headers) if callable(found) else found
                 if isinstance(data, (dict, list)):
                     data = json.dumps(data).encode()
                 self.send_response(status)
@@ -6290,7 +6293,34 @@ REFUSED: list[tuple[str, Any, Callable[[tactmem.RemoteStore], object]]] = [
         lambda s: s.session(),
     ),
     ("memories/scan", (200, {}, scan_of(card(1, score=10**400))), lambda s: s.scan("q")),
+    (  # a float beyond range: json reads it as infinity, and a score must be finite
+        "memories/scan",
+        (200, {}, json.dumps(scan_of(card(1, score="INF"))).replace('"INF"', "1e400").encode()),
+        lambda s: s.scan("q"),
+    ),
     ("memories/scan", (200, {}, b'{"candidates": [{"score": NaN}]}'), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, scan_of(card(1, version=0))), lambda s: s.scan("q")),
+    ("memories/scan", (200, {}, scan_of(card(1, score=-0.5))), lambda s: s.scan("q")),
+    (
+        "memories/sync",
+        (200, {}, {"inserted": "0", "replaced": 0, "unchanged": 0, "deleted": 0}),
+        lambda s: s.sync([]),
+    ),
+    (
+        "memories/delete",
+        (200, {}, {"deleted": True}),
+        lambda s: s.delete(tactmem.RemoteKey(1, 1, "alice")),
+    ),
+    (
+        "memories/export",
+        (200, {}, {"memories": [wire(1)], "next_cursor": {"namespace": "alice", "id": "1"}}),
+        lambda s: s.export(),
+    ),
+    (
+        "memories/export",
+        (200, {}, {"memories": [wire(1)], "next_cursor": {"namespace": "alice", "id": 1, "x": 0}}),
+        lambda s: s.export(),
+    ),
     ("memories/list", (409, {}, {"code": ["conflict"]}), lambda s: s.list()),
     ("memories/list", (404, {}, b""), lambda s: s.list()),
     ("memories/list", (400, {}, b"<html>" + HOSTILE.encode()), lambda s: s.list()),
@@ -6378,7 +6408,7 @@ def test_remote_store_retries_as_the_original_client() -> None:
         with pytest.raises(tactmem.RemoteUnavailable):
             store.scan("q")  # not repeated after the server saw it
         assert (stub.hits["memories/list"], stub.hits["memories/scan"]) == (3, 1)
-        stub.answers["memories/list"] = (lambda answers: lambda _: next(answers))(
+        stub.answers["memories/list"] = (lambda answers: lambda *_: next(answers))(
             iter([unavailable, (200, {"x-tact-memory-bookmark": "bm-1"}, {"memories": []})])
         )
         assert store.list() == ()  # the second attempt succeeds
@@ -6403,7 +6433,7 @@ def test_remote_store_takes_only_a_plain_retry_after(after: str) -> None:
 
 
 def test_remote_store_times_out() -> None:
-    def slow(_: object) -> tuple[int, dict[str, str], Any]:
+    def slow(*_: object) -> tuple[int, dict[str, str], Any]:
         time.sleep(1.5)
         return 200, {}, {"memories": []}
 
@@ -6460,6 +6490,309 @@ def test_remote_store_endpoint_rules() -> None:
         tactmem.RemoteStore("https://team.example.com", "alice", "token\nx-injected: 1")
     assert "injected" not in str(bad_token.value)
     assert ALICE_TOKEN not in repr(tactmem.RemoteStore("https://h", "alice", ALICE_TOKEN))
+
+
+# ------------------------------------------------------------------------ ported client tests
+# One test per test of the original client (clabby/tact at a2de8ae), same scenario and same
+# expectation: the 16 `client_*` tests of `crates/memory/src/server/tests.rs`, each against a stub
+# server answering as the original's does, and the four export-page tests of
+# `crates/memory/src/store/remote/client.rs`, which check one page against a cursor and the
+# totals so far: here the same pages come from a stub through `RemoteStore.export`. The
+# original's stubs have no `session` route: `RemoteStore` asks for the session before its first
+# operation, so every stub here answers it (`SESSION`).
+
+
+def versioned(doc_id: int, version: int, content: str, namespace: str = "alice") -> Any:
+    """The original's `record(id, version, content)` with a remote key: created at 10, updated at
+    10 + version."""
+    key = {"id": doc_id, "version": version, "namespace": namespace}
+    return wire(doc_id, content, key=key, created_at_ms=10, updated_at_ms=10 + version)
+
+
+@contextlib.contextmanager
+def stubbed(answers: dict[str, Any]) -> Iterator[StubServer]:
+    """A `StubServer` answering the session and these routes. (The original's
+    `InvalidResponse` is a `RemoteInvalid` here.)"""
+    stub = StubServer({"session": SESSION, **answers})
+    try:
+        yield stub
+    finally:
+        stub.close()
+
+
+def test_client_retries_safe_operations_but_does_not_replay_put_responses() -> None:
+    """client_retries_safe_operations_but_does_not_replay_put_responses: a list answered 503 once
+    is repeated and succeeds; a put answered 503 is sent once and is `unavailable`."""
+    unavailable: Any = (503, {}, {"code": "unavailable"})
+    answers = iter([unavailable, (200, {}, {"memories": []})])
+    with stubbed({"memories/list": lambda *_: next(answers), "memories/put": unavailable}) as stub:
+        store = stub.store()
+        assert store.list() == ()
+        assert stub.hits["memories/list"] == 2
+        with pytest.raises(tactmem.RemoteUnavailable):
+            store.put("one-shot put")
+        assert stub.hits["memories/put"] == 1
+
+
+def test_client_carries_bookmarks_across_concurrent_clones() -> None:
+    """client_carries_bookmarks_across_concurrent_clones: two lists at once on one store (the
+    original's clones share one client) go one after the other, each sending the bookmark the
+    one before received, and so does a third."""
+    following = {None: "bookmark-1", "bookmark-1": "bookmark-2", "bookmark-2": "bookmark-3"}
+
+    def bookmarked(_: object, headers: Mapping[str, str]) -> Any:
+        time.sleep(0.05)
+        bookmark = headers.get("x-tact-memory-bookmark")
+        if bookmark not in following:
+            return 409, {}, b""
+        return 200, {"x-tact-memory-bookmark": following[bookmark]}, {"memories": []}
+
+    with stubbed({"memories/list": bookmarked}) as stub:
+        store = stub.store()
+        results: list[object] = []
+
+        def listed() -> None:
+            results.append(store.list())
+
+        threads = [threading.Thread(target=listed) for _ in "ab"]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert results == [(), ()]
+        assert store.list() == ()
+        sent = [
+            h.get("x-tact-memory-bookmark") for r, h, _ in stub.requests if r == "memories/list"
+        ]
+        assert sent == [None, "bookmark-1", "bookmark-2"]
+
+
+def test_client_preserves_empty_content_and_exhausted_rate_limit_errors() -> None:
+    """client_preserves_empty_content_and_exhausted_rate_limit_errors: a blank put is
+    `EmptyContent` without a request (the original's client points at port 1); a list that is
+    rate limited on every attempt is `unavailable`."""
+    with pytest.raises(EmptyContent):
+        tactmem.RemoteStore("http://127.0.0.1:1/", "alice", ALICE_TOKEN).put("   ")
+    with (
+        stubbed({"memories/list": (429, {}, b"")}) as stub,
+        pytest.raises(tactmem.RemoteUnavailable),
+    ):
+        stub.store().list()
+
+
+def test_client_reports_a_missing_versioned_session_route_as_incompatible() -> None:
+    """client_reports_a_missing_versioned_session_route_as_incompatible: a server without the
+    v1 routes (a bare 404) speaks another protocol."""
+    stub = StubServer({})
+    try:
+        with pytest.raises(tactmem.RemoteDenied, match="another protocol"):
+            stub.store().session()
+    finally:
+        stub.close()
+
+
+def test_client_rejects_an_unbounded_list_window() -> None:
+    """client_rejects_an_unbounded_list_window: a list of 513 records is refused."""
+    memories = [versioned(doc_id, 1, "visible") for doc_id in range(1, 514)]
+    with (
+        stubbed({"memories/list": (200, {}, {"memories": memories})}) as stub,
+        pytest.raises(tactmem.RemoteInvalid),
+    ):
+        stub.store().list()
+
+
+def test_client_suppresses_unsafe_scan_previews() -> None:
+    """client_suppresses_unsafe_scan_previews: a secret-shaped preview is dropped, not shown."""
+    with stubbed(
+        {"memories/scan": (200, {}, scan_of(card(1, preview="password=hunter2")))}
+    ) as stub:
+        assert stub.store().scan("password", limit=5).candidates == ()
+
+
+def test_client_rejects_oversized_scan_responses() -> None:
+    """client_rejects_oversized_scan_responses: two cards for a scan of limit 1 are refused."""
+    cards = scan_of(card(1, preview="candidate 1"), card(2, preview="candidate 2"))
+    with stubbed({"memories/scan": (200, {}, cards)}) as stub, pytest.raises(tactmem.RemoteInvalid):
+        stub.store().scan("candidate", limit=1)
+
+
+def test_client_rejects_ambiguous_versions_in_scan_responses() -> None:
+    """client_rejects_ambiguous_versions_in_scan_responses: two versions of one record in one
+    scan are refused."""
+    cards = scan_of(*(card(1, preview=f"version {v}", version=v) for v in (1, 2)))
+    with stubbed({"memories/scan": (200, {}, cards)}) as stub, pytest.raises(tactmem.RemoteInvalid):
+        stub.store().scan("version", limit=2)
+
+
+def test_client_rejects_scan_responses_out_of_rank_order() -> None:
+    """client_rejects_scan_responses_out_of_rank_order: scores 1.0 then 2.0 are refused."""
+    cards = scan_of(*(card(i, float(i), preview=f"candidate {i}") for i in (1, 2)))
+    with stubbed({"memories/scan": (200, {}, cards)}) as stub, pytest.raises(tactmem.RemoteInvalid):
+        stub.store().scan("candidate", limit=2)
+
+
+def test_client_enforces_the_requested_export_page_size() -> None:
+    """client_enforces_the_requested_export_page_size: a page with one record more than the
+    request's `limit` is refused (the original asks for 1 and gets 2; `export` asks for its
+    page size, 128, and gets 129)."""
+
+    def oversized(body: Any, _: object) -> Any:
+        memories = [versioned(i, 1, f"memory {i}") for i in range(1, body["limit"] + 2)]
+        return 200, {}, {"memories": memories, "next_cursor": None}
+
+    with stubbed({"memories/export": oversized}) as stub:
+        with pytest.raises(tactmem.RemoteInvalid):
+            stub.store().export()
+        assert stub.requests[-1][2]["limit"] == 128
+
+
+def test_client_rejects_sync_reports_that_do_not_match_the_snapshot() -> None:
+    """client_rejects_sync_reports_that_do_not_match_the_snapshot: 2 inserted for a snapshot of
+    one record is refused."""
+    report = {"inserted": 2, "replaced": 0, "unchanged": 0, "deleted": 0}
+    snapshot = Record(Key(1, 1), "snapshot", 10, 11, None, 0, None, 0, None)
+    with (
+        stubbed({"memories/sync": (200, {}, report)}) as stub,
+        pytest.raises(tactmem.RemoteInvalid),
+    ):
+        stub.store().sync([snapshot])
+
+
+def test_client_rejects_put_responses_unrelated_to_the_request() -> None:
+    """client_rejects_put_responses_unrelated_to_the_request: record 2 with other content is no
+    answer to an insert, nor to a replace of record 1."""
+    unrelated = {"memory": versioned(2, 1, "different content")}
+    with stubbed({"memories/put": (200, {}, unrelated)}) as stub:
+        store = stub.store()
+        for replace in (None, tactmem.RemoteKey(1, 1, "alice")):
+            with pytest.raises(tactmem.RemoteInvalid):
+                store.put("submitted content", replace=replace)
+        assert stub.hits["memories/put"] == 2
+
+
+def test_client_preserves_equivalent_content_from_distinct_namespaces() -> None:
+    """client_preserves_equivalent_content_from_distinct_namespaces: the same text in two
+    namespaces is two records."""
+    both = [versioned(1, 1, "shared operating note", namespace) for namespace in ("alice", "bob")]
+    with stubbed({"memories/read": (200, {}, {"memories": both})}) as stub:
+        keys = [tactmem.RemoteKey(1, 1, "alice"), tactmem.RemoteKey(1, 1, "bob")]
+        assert len(stub.store().read_keys(keys)) == 2
+
+
+def test_client_rejects_ambiguous_versions_for_an_unversioned_id() -> None:
+    """client_rejects_ambiguous_versions_for_an_unversioned_id: three versions of record 1 for a
+    read of id 1 are refused."""
+    three = [versioned(1, version, f"version {version}") for version in (1, 2, 3)]
+    with (
+        stubbed({"memories/read": (200, {}, {"memories": three})}) as stub,
+        pytest.raises(tactmem.RemoteInvalid),
+    ):
+        stub.store().read([1])
+
+
+def test_client_ignores_namespace_less_remote_keys() -> None:
+    """client_ignores_namespace_less_remote_keys: a key without a namespace names no team
+    record; reading it finds nothing, and nothing is sent (the endpoint is port 1)."""
+    store = tactmem.RemoteStore("http://127.0.0.1:1/", "alice", ALICE_TOKEN)
+    assert store.read_keys([Key(1, 1)]) == ()  # type: ignore[list-item]
+
+
+def test_client_rejects_ambiguous_versions_in_list_responses() -> None:
+    """client_rejects_ambiguous_versions_in_list_responses: two versions of one record in a list
+    are refused."""
+    two = [versioned(1, version, f"version {version}") for version in (1, 2)]
+    with (
+        stubbed({"memories/list": (200, {}, {"memories": two})}) as stub,
+        pytest.raises(tactmem.RemoteInvalid),
+    ):
+        stub.store().list()
+
+
+def export_stub(
+    *pages: tuple[list[Any], tuple[str, int] | None],
+) -> contextlib.AbstractContextManager[StubServer]:
+    """A stub whose export answers these pages in turn: (records, next cursor)."""
+    answers = iter(pages)
+
+    def page(*_: object) -> Any:
+        memories, cursor = next(answers)
+        following = None if cursor is None else {"namespace": cursor[0], "id": cursor[1]}
+        return 200, {}, {"memories": memories, "next_cursor": following}
+
+    return stubbed({"memories/export": page})
+
+
+def cursors_sent(stub: StubServer) -> list[Any]:
+    return [body["cursor"] for route, _, body in stub.requests if route == "memories/export"]
+
+
+def test_export_page_enforces_namespace_and_exact_cursor() -> None:
+    """export_page_enforces_namespace_and_exact_cursor: a page of the selected namespace whose
+    cursor is its last key is taken (the next page is asked after it); a record of another
+    namespace, or a cursor past the last key, is refused."""
+    one = versioned(1, 1, "one", "alpha")
+    with export_stub(([one], ("alpha", 1)), ([], None)) as stub:
+        assert [r.content for r in stub.store().export(["alpha"])] == ["one"]
+        assert cursors_sent(stub) == [None, {"namespace": "alpha", "id": 1}]
+        assert stub.requests[-1][2]["namespaces"] == ["alpha"]
+    with (
+        export_stub(([versioned(1, 1, "one", "beta")], None)) as stub,
+        pytest.raises(tactmem.RemoteInvalid),
+    ):
+        stub.store().export(["alpha"])
+    with export_stub(([one], ("alpha", 2))) as stub, pytest.raises(tactmem.RemoteInvalid):
+        stub.store().export(["alpha"])
+
+
+def test_export_page_rejects_duplicate_and_out_of_order_keys() -> None:
+    """export_page_rejects_duplicate_and_out_of_order_keys: one key twice in a page is refused,
+    and so is a page after the cursor `beta`/2 (2 records, 6 bytes so far) that holds `alpha`/1."""
+    twice = [versioned(1, 1, "one", "alpha"), versioned(1, 1, "two", "alpha")]
+    with export_stub((twice, None)) as stub, pytest.raises(tactmem.RemoteInvalid):
+        stub.store().export()
+    so_far = [versioned(1, 1, "one", "alpha"), versioned(2, 1, "two", "beta")]
+    behind = [versioned(1, 1, "one", "alpha")]
+    with export_stub((so_far, ("beta", 2)), (behind, ("alpha", 1))) as stub:
+        with pytest.raises(tactmem.RemoteInvalid):
+            stub.store().export()
+        assert cursors_sent(stub) == [None, {"namespace": "beta", "id": 2}]
+
+
+def test_export_page_rejects_multi_cursor_cycles() -> None:
+    """export_page_rejects_multi_cursor_cycles: `alpha`/1, then `beta`/1, then `alpha`/1 again
+    (a cycle through two cursors) is refused at the third page."""
+    alpha, beta = versioned(1, 1, "one", "alpha"), versioned(1, 1, "two", "beta")
+    with export_stub(
+        ([alpha], ("alpha", 1)), ([beta], ("beta", 1)), ([alpha], ("alpha", 1))
+    ) as stub:
+        with pytest.raises(tactmem.RemoteInvalid):
+            stub.store().export()
+        assert cursors_sent(stub) == [
+            None, {"namespace": "alpha", "id": 1}, {"namespace": "beta", "id": 1}
+        ]  # fmt: skip
+
+
+def test_export_page_rejects_aggregate_limits_before_accumulation() -> None:
+    """export_page_rejects_aggregate_limits_before_accumulation: one record more after 512 is
+    refused, and so is one byte more after 262,144 content bytes."""
+
+    def pages(records: list[Any]) -> list[tuple[list[Any], tuple[str, int] | None]]:
+        chunks = [records[i : i + 128] for i in range(0, len(records), 128)]
+        return [(chunk, ("alpha", chunk[-1]["key"]["id"])) for chunk in chunks]
+
+    full_rows = [versioned(i, 1, f"note {i}", "alpha") for i in range(1, 513)]
+    full_bytes = [
+        versioned(i, 1, f"note {i:04d} " + "lorem ipsum " * 84 + "x" * 6, "alpha")
+        for i in range(1, 257)
+    ]
+    for full in (full_rows, full_bytes):
+        assert len(full) == 512 or sum(len(r["content"].encode()) for r in full) == 262_144
+        after = len(full) + 1
+        with (
+            export_stub(*pages(full), ([versioned(after, 1, "x", "alpha")], None)) as stub,
+            pytest.raises(tactmem.RemoteInvalid, match="larger than one store may hold"),
+        ):
+            stub.store().export()
 
 
 # ------------------------------------------------------------------------ config and command line
@@ -6725,7 +7058,7 @@ def test_push_reconciles_local_writes_that_race_the_snapshot(
     snapshots: list[int] = []
     racing, written = [1], itertools.count(1)  # how many syncs write a local record meanwhile
 
-    def sync(body: Any) -> tuple[int, dict[str, str], Any]:
+    def sync(body: Any, *_: object) -> tuple[int, dict[str, str], Any]:
         snapshots.append(len(body["memories"]))
         if len(snapshots) <= racing[0]:
             with Store(memory_db_path(config)) as local:
