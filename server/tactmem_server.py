@@ -1446,26 +1446,39 @@ class _McpEndpoint:
         self, store: TeamStore, principals: _Principals, timeout_s: float,
         limiter: anyio.CapacityLimiter,
     ) -> None:  # fmt: skip
-        from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
-
         self.store = store
         self.principals = principals
         self.timeout_s = timeout_s
+        self.limiter = limiter
         self.definitions = {
             role: tactmem.tool_definition(flat=True, root=role == "writer", limits=LIMITS)
             for role in _ROLES
         }
         # Each session's tool and when it was last used, by (session id, token hash).
         self.tools: dict[tuple[str, bytes], tuple[tactmem.MemoryTool, float]] = {}
-        self.manager = StreamableHTTPSessionManager(
-            tactmem._mcp_server(self._surface, limiter=limiter), json_response=True,
-            session_idle_timeout=MCP_SESSION_IDLE_S, max_request_body_size=MAX_BODY_BYTES,
-            max_sessions=MCP_MAX_SESSIONS,
-        )  # fmt: skip
+        self.manager: Any = None
+        self.ready: anyio.Event | None = None
+
+    async def run(self) -> None:
+        """Run the SDK's session manager until cancelled. The SDK takes seconds to import, so a
+        worker thread loads it while the `/v1` routes already answer; `/mcp` requests wait."""
+        self.ready = anyio.Event()
+
+        def manager() -> Any:
+            from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+
+            return StreamableHTTPSessionManager(
+                tactmem._mcp_server(self._surface, limiter=self.limiter), json_response=True,
+                session_idle_timeout=MCP_SESSION_IDLE_S, max_request_body_size=MAX_BODY_BYTES,
+                max_sessions=MCP_MAX_SESSIONS,
+            )  # fmt: skip
+
+        self.manager = await anyio.to_thread.run_sync(manager)
+        async with self.manager.run():
+            self.ready.set()
+            await anyio.sleep_forever()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
-
         started, status, caller = time.monotonic(), 500, None
 
         async def watched(message: Message) -> None:
@@ -1477,6 +1490,10 @@ class _McpEndpoint:
         headers = _headers(scope)
         try:
             caller = bearer(self.principals, headers)
+            assert self.ready is not None  # the application's lifespan runs `run`
+            await self.ready.wait()
+            from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+
             version = headers.get(b"mcp-protocol-version", b"").decode("latin-1")
             if version and version not in HANDSHAKE_PROTOCOL_VERSIONS:
                 await _unsupported_version(version)(scope, receive, watched)
@@ -1588,8 +1605,10 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        async with mcp.manager.run():
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(mcp.run)
             yield
+            tasks.cancel_scope.cancel()
         await anyio.to_thread.run_sync(store.close)
         _log_event(event="stopped")
 
@@ -1681,6 +1700,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=int(arguments.store_timeout + _GRACE_S),
     )  # fmt: skip
     logging.getLogger("uvicorn").setLevel(logging.WARNING)
+    sdk = logging.getLogger("mcp")  # its lines are not JSON, and some name a session id
+    sdk.addHandler(logging.NullHandler())
+    sdk.propagate = False
     host, port = listener.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     _log_event(
