@@ -5,7 +5,7 @@ secret rules, identities, bounds, versions and plans all come from `tactmem`; th
 namespaces, bearer tokens, the HTTP routes and two storage engines. Every operation is one
 transaction: read what the plan needs, ask the core, write exactly the plan.
 
-Requires Python >= 3.11, tactmem, Starlette, uvicorn and psycopg 3 (with psycopg_pool).
+Requires Python >= 3.11, tactmem, Starlette, uvicorn, psycopg 3 (with psycopg_pool) and the MCP SDK.
 
 Command line::
 
