@@ -2,8 +2,9 @@
 
 The server is a second shell over tactmem's pure core: the tokenizer, BM25 ranking, previews,
 secret rules, identities, bounds, versions and plans all come from `tactmem`; this module adds
-namespaces, bearer tokens, the HTTP routes and two storage engines. Every operation is one
-transaction: read what the plan needs, ask the core, write exactly the plan.
+namespaces, bearer tokens, the HTTP routes, two storage engines, and the memory tool over MCP
+at `/mcp`. Every operation is one transaction: read what the plan needs, ask the core, write
+exactly the plan.
 
 Requires Python >= 3.11, tactmem, Starlette, uvicorn, psycopg 3 (with psycopg_pool) and the MCP SDK.
 
@@ -50,7 +51,10 @@ from tactmem import Key, Record, TactmemError
 
 __version__ = "0.1.0"
 
-__all__ = ["PostgresEngine", "SqliteEngine", "TeamStore", "create_app", "load_credentials", "main"]
+__all__ = [
+    "NamespaceStore", "PostgresEngine", "SqliteEngine", "TeamStore", "create_app",
+    "load_credentials", "main",
+]  # fmt: skip
 
 # ============================================================================ constants
 
@@ -1627,7 +1631,8 @@ def create_app(
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tactmem-server",
-        description="Serve team memory over Tact's remote protocol v1 (routes under /v1).",
+        description="Serve team memory over Tact's remote protocol v1 (routes under /v1) and"
+        " the memory tool over MCP streamable HTTP (/mcp).",
         epilog="Logs are JSON lines on standard error; they never hold a token or any content.",
     )
     storage = parser.add_mutually_exclusive_group(required=True)
