@@ -1519,14 +1519,25 @@ _hostile_text = st.lists(
 ).map("".join)
 
 
+_NAMESPACES = st.sampled_from(["alice", "bob", "n" * 128])  # the longest a server may send
+
+
 @st.composite
 def browser_states(draw: st.DrawFn) -> tactmem._Browser:
+    """A browser of local memory, or of team memory (`team`): records of several namespaces
+    whose ids collide, shown read-only; after any keys, a team browser has deleted nothing."""
     contents = draw(st.lists(_hostile_text.filter(str.strip), max_size=6))
+    team = draw(st.sampled_from(["", "alice"]))
+
+    def key(doc_id: int) -> Key:  # team ids collide across namespaces
+        return tactmem.RemoteKey(1 + doc_id % 2, 1, draw(_NAMESPACES)) if team else Key(doc_id, 1)
+
     records = tuple(
-        Record(Key(doc_id, 1), content, 0, 0, None, 0, None, draw(st.integers(0, 3)), None)
+        Record(key(doc_id), content, 0, 0, None, 0, None, draw(st.integers(0, 3)), None)
         for doc_id, content in enumerate(contents, start=1)
     )
-    state = tactmem._Browser(enabled=draw(st.sampled_from([None, True, False])))
+    records = tuple({tactmem._where(record): record for record in records}.values())
+    state = tactmem._Browser(enabled=draw(st.sampled_from([None, True, False])), team=team)
     state, _ = tactmem._browse_step(state, ("loaded", records, draw(st.integers(0, 10**13))))
     keys: st.SearchStrategy[tactmem._Event] = st.one_of(
         st.sampled_from(
@@ -1536,7 +1547,10 @@ def browser_states(draw: st.DrawFn) -> tactmem._Browser:
         _hostile_text.map(lambda text: ("paste", text)),
     )
     for key_event in draw(st.lists(keys, max_size=8)):
-        state, _ = tactmem._browse_step(state, key_event)
+        state, effects = tactmem._browse_step(state, key_event)
+        assert not (team and any(effect[0] == "delete" for effect in effects))
+        current = state.current()
+        assert current is None or tactmem._where(current) == state.selected
     return state
 
 
@@ -1654,6 +1668,47 @@ def test_hostile_tool_calls_never_raise(requests: list[Any], root: bool) -> None
                 "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0) FROM memories"
             ).fetchone()
         assert rows <= 4 and size <= 1200
+
+
+TEAM_KEYS = st.fixed_dictionaries(
+    {"id": IDS, "version": IDS},
+    optional={
+        "namespace": _NAMESPACES | st.just("zorblax secret") | NASTY_TEXT | JSON_VALUES,
+        "extra": JSON_VALUES,
+    },
+)
+CARD_KEYS = st.fixed_dictionaries(
+    {"id": st.integers(1, 6), "version": st.integers(1, 3), "namespace": _NAMESPACES}
+)
+TEAM_REQUESTS = st.one_of(
+    TOOL_REQUESTS,
+    st.fixed_dictionaries({"operation": st.just("read"), "keys": st.lists(CARD_KEYS, max_size=4)}),
+    st.fixed_dictionaries(
+        {"operation": st.just("read"), "keys": st.lists(TEAM_KEYS, max_size=4) | JSON_VALUES}
+    ),
+    st.fixed_dictionaries(
+        {"operation": st.just("put"), "content": PLAIN_TEXT, "replace": TEAM_KEYS}
+    ),
+    st.builds(lambda key: {"operation": "delete", **key}, TEAM_KEYS),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(request=TEAM_REQUESTS)
+def test_team_tool_requests_are_checked_or_refused_never_raise(request: Any) -> None:
+    """Team memory's shapes (`read {keys}`, keys that may name a namespace) parse to keys
+    of that namespace or are refused as `invalid_request`, naming no value they were given."""
+    try:
+        parsed = tactmem._parse_request(request, Limits(), team=True)
+    except tactmem.InvalidRequest as error:
+        assert "zorblax" not in str(error) and len(str(error)) < 200
+        event("refused")
+        return
+    if parsed.operation == "read":
+        assert not parsed.ids and all(
+            tactmem._REMOTE_NAMESPACE.fullmatch(k.namespace) for k in parsed.keys
+        )
+    event(f"parsed {parsed.operation}")
 
 
 def test_hostile_tool_strategy_reaches_every_operation() -> None:

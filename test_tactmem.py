@@ -971,10 +971,11 @@ def test_side_cache_stays_bounded_by_the_live_texts(db: Path) -> None:
         assert [c.preview for c in fresh.scan("release", now_ms=1).candidates] == ["release 199"]
 
 
-@pytest.mark.parametrize("content", ["", " \n\t", "\u3000"])
+@pytest.mark.parametrize("content", ["", " \n\t", "\u3000", "a NUL \x00 inside"])
 def test_a_foreign_row_with_empty_content_is_hidden(tiny: Store, db: Path, content: str) -> None:
-    """Content a put would refuse as empty (a foreign writer's) is no record for an agent:
-    the tool's output schema has none with empty content."""
+    """Content a put would refuse as empty or for a NUL character (a foreign writer's, or an
+    older tactmem's) is no record for an agent, and `push` never sends it: the tool's output
+    schema has none with empty content, and no backend stores a NUL."""
     tiny.list(now_ms=0)
     doc_id = insert_raw(db, content)
     assert tiny.read([doc_id], now_ms=1) == ()
@@ -3108,16 +3109,43 @@ def test_mappings_that_are_not_dicts_work_like_dicts() -> None:
         assert tool.call(put)["memory"]["key"] == {"id": 1, "version": 1}
 
 
-def test_nul_bytes_in_content_round_trip(tmp_path: Path) -> None:
-    with Store(tmp_path / "memory.sqlite3") as store:
+def test_nul_in_content_is_refused_on_every_backend(tmp_path: Path) -> None:
+    """Issue 17: PostgreSQL text cannot hold a NUL character, so no backend stores one: the
+    local store refuses it as the server does (it used to store it), before any I/O, and
+    so does a `RemoteStore` before anything is sent; an import holding one changes nothing."""
+    content = "before\x00after, with a NUL character inside"
+    db = tmp_path / "memory.sqlite3"
+    with Store(db) as store:
+        with pytest.raises(tactmem.InvalidRequest, match="NUL") as caught:
+            store.put(content)
+        assert "before" not in str(caught.value)
+        kept = store.put("A conclusion to replace.")
+        with pytest.raises(tactmem.InvalidRequest):
+            store.put(content, replace=kept.key)
         tool = MemoryTool(store, root=True)
         tool.call({"operation": "scan", "query": "nul"})
-        content = "before\x00after, with a NUL byte inside"
-        assert tool.call({"operation": "put", "content": content})["memory"]["content"] == content
-        (memory,) = tool.call('{"operation": "read", "ids": [1]}')["memories"]
-        assert memory["content"] == content
-        (candidate,) = tool.call({"operation": "scan", "query": "after"})["candidates"]
-        assert candidate["preview"] == content
+        answer = tool.call({"operation": "put", "content": content})
+        assert answer["error"]["code"] == "invalid_request" and "after" not in str(answer)
+        assert store.list() == (kept,)
+        manifest, record = export_lines(store.export().data)
+    cli = subprocess.run(
+        [sys.executable, "-m", "tactmem", "--db", str(db), "put", "-"], input=content.encode(),
+        capture_output=True, env=subprocess_env(), timeout=60,
+    )  # fmt: skip
+    assert cli.returncode == 1 and b"NUL" in cli.stderr and b"before" not in cli.stderr
+    forged = export_bytes(manifest, [{**record, "content": content}])  # the hash made to fit
+    with Store(tmp_path / "other.sqlite3") as other:
+        for load in (other.merge, other.restore):
+            with pytest.raises(tactmem.InvalidRequest, match=r"export line 2: .*NUL"):
+                load(forged)
+        assert other.list() == ()
+    stub = StubServer({"session": SESSION})
+    try:
+        with pytest.raises(tactmem.InvalidRequest):
+            stub.store().put(content)
+        assert sum(stub.hits.values()) == 0  # refused before any request
+    finally:
+        stub.close()
 
 
 # ------------------------------------------------------------------------ prompt texts
@@ -3925,15 +3953,16 @@ def strict_problems(schema: Any, where: str = "$") -> Iterator[str]:
             yield from strict_problems(value, f"{where}[{index}]")
 
 
+@pytest.mark.parametrize("team", [False, True])
 @pytest.mark.parametrize("root", [True, False])
-def test_the_strict_schema_is_what_strict_mode_accepts(root: bool) -> None:
+def test_the_strict_schema_is_what_strict_mode_accepts(root: bool, team: bool) -> None:
     """Issue 14: `strict=True` passes the strict rules and the openai-agents SDK's own strict
     checker (which would rewrite a schema that is not strict already), means the same as the
     other variants (the same operations and fields), and a child's offers no writes."""
     from agents import FunctionTool
     from agents.strict_schema import ensure_strict_json_schema
 
-    definition = tool_definition(strict=True, root=root)
+    definition = tool_definition(strict=True, root=root, team=team)
     schema = definition["input_schema"]
     assert list(strict_problems(schema)) == []
     assert schema["type"] == "object" and "anyOf" not in schema
@@ -3943,11 +3972,12 @@ def test_the_strict_schema_is_what_strict_mode_accepts(root: bool) -> None:
         on_invoke_tool=lambda _context, _arguments: None,  # type: ignore[arg-type,return-value]
         strict_json_schema=True,
     )  # fmt: skip
-    flat = tool_definition(flat=True, root=root)["input_schema"]
+    flat = tool_definition(flat=True, root=root, team=team)["input_schema"]
     assert schema["properties"].keys() == flat["properties"].keys()
     operations = ["scan", "read", "put", "delete"] if root else ["scan", "read"]
     assert schema["properties"]["operation"]["enum"] == operations
-    assert definition["description"] == tool_definition(root=root)["description"]
+    assert definition["description"] == tool_definition(root=root, team=team)["description"]
+    assert ("keys" in schema["properties"], "ids" in schema["properties"]) == (team, not team)
     assert ("put" in definition["description"]) is root
 
 
@@ -4106,13 +4136,13 @@ def test_browser_sort_cycle_matches_the_reference_fixture() -> None:
 def test_browser_selection_follows_the_id_across_filter_reload_and_delete() -> None:
     state = loaded(rec(1, content="alpha"), rec(2, content="beta"), rec(3, content="gamma"))
     state, _ = press(state, "down")
-    assert state.selected == 2
+    assert state.selected == ("", 2)  # a local record's place: no namespace
     state, _ = press(state, "e", "t")  # "et" matches beta only
-    assert (ids(state), state.selected) == ([2], 2)
+    assert (ids(state), state.selected) == ([2], ("", 2))
     state, _ = press(state, "backspace", "backspace")
-    assert state.selected == 2 and state.position() == 1
+    assert state.selected == ("", 2) and state.position() == 1
     state, _ = step(state, ("loaded", (rec(3), rec(2), rec(5)), 0))
-    assert state.selected == 2
+    assert state.selected == ("", 2)
     state, _ = step(state, ("deleted", Key(2, 1)))
     assert state.selected is not None and 2 not in ids(state)
 
@@ -4287,7 +4317,7 @@ def test_browser_review_fixes() -> None:
     # A reload that loses the record on display goes back to the list and says so.
     state, _ = press(loaded(rec(5, updated=2), rec(4, updated=1)), "enter")
     state, _ = step(state, ("loaded", (rec(4),), 0))
-    assert (state.view, state.selected) == ("list", 4)
+    assert (state.view, state.selected) == ("list", ("", 4))
     assert "Memory #5 is gone" in screen_text(state)
     # A failed delete names the keys of the view it happened in.
     failed: tactmem._Event = ("delete_failed", Key(4, 1), "store_busy", "busy")
@@ -4364,7 +4394,9 @@ class Terminal:
 
     QUIET = 0.05  # no output for this long: the program has finished drawing, for now
 
-    def __init__(self, argv: list[str], columns: int = 80, rows: int = 24) -> None:
+    def __init__(
+        self, argv: list[str], columns: int = 80, rows: int = 24, cwd: Path = HERE
+    ) -> None:
         import pty
 
         self.screen = pyte.Screen(columns, rows)
@@ -4377,7 +4409,7 @@ class Terminal:
         env = {**os.environ, "TERM": "linux", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tactmem", *argv], stdin=self.slave, stdout=self.slave,
-            stderr=self.slave, cwd=HERE, env=env, start_new_session=True,
+            stderr=self.slave, cwd=cwd, env=env, start_new_session=True,
         )  # fmt: skip
 
     def resize(self, columns: int, rows: int, *, signal_child: bool = True) -> None:
@@ -4461,6 +4493,63 @@ class Terminal:
         finally:
             os.close(self.master)
             os.close(self.slave)
+
+
+def team_record(namespace: str, doc_id: int, content: str, used: int = 0) -> Record:
+    return Record(tactmem.RemoteKey(doc_id, 1, namespace), content, 0, 0, None, 0, None, used, None)
+
+
+def test_the_browser_shows_team_records_read_only_with_their_namespace() -> None:
+    """Issue 17: namespaces share ids, so the browser keeps its selection by namespace and
+    id, labels each record `alice#1`, filters by that label, and deletes nothing."""
+    records = [
+        team_record("alice", 1, "Alice: the deploy key lives in the vault.", used=2),
+        team_record("bob", 1, "Bob: the staging cluster restarts nightly."),
+    ]
+    state, effects = tactmem._browse_step(
+        tactmem._Browser(team="alice", width=80, height=12), ("loaded", records, 0)
+    )
+    screen = "\n".join(text for _, text in tactmem._browse_screen(state, 80, 12))
+    assert "Team memory (alice, read-only)" in screen
+    assert "alice#1 · v1" in screen and "bob#1 · v1" in screen
+    assert "delete" not in screen and "read-only" in screen.splitlines()[-1]
+    assert state.selected == ("alice", 1)
+    state, _ = tactmem._browse_step(state, ("key", "down"))
+    assert state.selected == ("bob", 1)  # the same id, another record
+    presses: list[list[tactmem._Event]] = [[("key", "ctrl-d")], [("key", "enter"), ("char", "d")]]
+    for keys in presses:
+        current = state
+        for event in keys:
+            current, effects = tactmem._browse_step(current, event)
+        assert effects == [] and current.confirm is None
+        assert current.status.startswith("Team memory is read-only")
+    state, _ = tactmem._browse_step(state, ("key", "enter"))
+    detail = "\n".join(text for _, text in tactmem._browse_screen(state, 80, 12))
+    assert detail.splitlines()[0] == " Memory bob#1"
+    state, _ = tactmem._browse_step(state, ("loaded", records[:1], 1))
+    assert state.view == "list" and state.status == "Memory bob#1 is gone (deleted or expired)."
+    filtered = tactmem._Browser(team="alice", records=tuple(records), loaded=True, query="bob#")
+    assert [r.content for r in filtered.shown()] == [records[1].content]
+
+
+def test_browse_inside_a_workspace_root_shows_team_memory(team: TeamServer, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    config = team_config(tmp_path, team.url, ["work"])
+    team.store("bob").put("Bob: the staging cluster restarts nightly.")
+    team.store("alice").put("Alice: the deploy key lives in the vault.")
+    terminal = Terminal(["--config", str(config), "browse"], columns=100, cwd=work)
+    try:
+        screen = terminal.wait_for("bob#1 · v1")
+        assert "Team memory (alice, read-only)" in screen and "alice#1 · v1" in screen
+        terminal.press("ctrl-d")
+        assert "read-only here" in terminal.wait_for("Team memory is read-only")
+        terminal.press("esc")
+        assert terminal.close() == 0
+    finally:
+        terminal.process.kill()
+    assert len(team.store("bob").list()) == 2  # nothing deleted
+    assert not Path(memory_db_path(config)).exists()  # and no local store made
 
 
 def test_browse_esc_clears_the_filter_in_a_real_terminal(db: Path) -> None:
@@ -6285,6 +6374,9 @@ def test_remote_store_endpoint_rules() -> None:
             tactmem.RemoteStore(endpoint, "alice", ALICE_TOKEN)
     for endpoint in ("https://team.example.com/memory", "http://localhost:8420", "http://[::1]:1"):
         assert tactmem.RemoteStore(endpoint, "alice", ALICE_TOKEN).endpoint.endswith("/")
+    with pytest.raises(ConfigError) as clear:  # it names every host plain http may reach
+        tactmem.RemoteStore("http://team.example.com", "alice", ALICE_TOKEN)
+    assert "127.0.0.1, localhost, ::1" in str(clear.value)
     with pytest.raises(ConfigError):
         tactmem.RemoteStore("https://team.example.com", "a b", ALICE_TOKEN)
     with pytest.raises(ConfigError) as bad_token:
@@ -6349,15 +6441,20 @@ def test_cli_uses_team_memory_inside_a_workspace_root(team: TeamServer, tmp_path
     config = team_config(tmp_path, team.url, ["work"])
     local_db = Path(memory_db_path(config))
     done = run_in(work, config, "put", "In ledgerline, CI tags the releases.")
-    assert (done.returncode, done.stdout, done.stderr) == (0, "stored #1 v1\n", "")
+    assert (done.returncode, done.stdout, done.stderr) == (0, "stored alice#1 v1\n", "")
     assert not local_db.exists()  # it went to the team server
     assert run_in(work, config, "list").stdout.startswith("alice#1 v1 · updated")
-    assert run_in(work, config, "scan", "ledgerline").stdout.startswith("alice#1 v1  ")
-    browse = run_in(work, config, "browse")
-    assert browse.returncode == 1 and "team memory" in browse.stderr
+    again = run_in(work, config, "put", "--replace", "1@1", "In ledgerline, CI tags each release.")
+    assert again.stdout == "replaced alice#1 v2\n"
+    scratch = run_in(work, config, "put", "Scratch: removed by the next command.").stdout
+    assert scratch == "stored alice#2 v1\n"
+    assert run_in(work, config, "delete", "2@1").stdout == "deleted alice#2\n"
+    assert run_in(work, config, "scan", "ledgerline").stdout.startswith("alice#1 v2  ")
+    browse = run_in(work, config, "browse")  # the team's records, but it needs a terminal
+    assert browse.returncode == 1 and "browse needs a terminal" in browse.stderr
     listed = json.loads(run_in(work, config, "--json", "list").stdout)
-    assert listed["memories"][0]["key"] == {"id": 1, "version": 1, "namespace": "alice"}
-    assert [r.content for r in team.store("bob").list()] == ["In ledgerline, CI tags the releases."]
+    assert listed["memories"][0]["key"] == {"id": 1, "version": 2, "namespace": "alice"}
+    assert [r.content for r in team.store("bob").list()] == ["In ledgerline, CI tags each release."]
     outside = run_in(elsewhere, config, "put", "A local conclusion, kept on this machine.")
     assert outside.returncode == 0 and local_db.exists()
     assert len(team.store("bob").list()) == 1
@@ -6392,16 +6489,89 @@ def test_mcp_inside_a_workspace_root_serves_team_memory(team: TeamServer, tmp_pa
 
     async def session() -> list[Any]:
         async with Client(parameters) as client:
-            calls = [
-                {"operation": "scan", "query": "mcp team box"},
+            (tool,) = (await client.list_tools()).tools
+            scan = await client.call_tool("memory", {"operation": "scan", "query": "mcp team box"})
+            key = scan.structured_content["candidates"][0]["key"]
+            calls: list[dict[str, Any]] = [
+                {"operation": "read", "keys": [key]},  # bob's record, by the key scan gave
+                {"operation": "read", "ids": [key["id"]]},  # team memory reads by key only
                 {"operation": "put", "content": "Alice: team memory reaches agents over MCP."},
             ]
-            return [await client.call_tool("memory", call) for call in calls]
+            return [tool, scan] + [await client.call_tool("memory", call) for call in calls]
 
-    scan, put = asyncio.run(asyncio.wait_for(session(), 60))
+    tool, scan, read, by_id, put = asyncio.run(asyncio.wait_for(session(), 60))
+    assert (
+        "keys" in tool.input_schema["properties"] and "ids" not in tool.input_schema["properties"]
+    )
     assert scan.structured_content["candidates"][0]["key"]["namespace"] == "bob"
+    (record,) = read.structured_content["memories"]
+    assert record["content"] == "Bob: the MCP server on the team box speaks protocol v1."
+    assert record["key"]["namespace"] == "bob" and record["use_count"] == 1
+    assert by_id.structured_content["error"]["code"] == "invalid_request"
     assert put.structured_content["memory"]["key"] == {"id": 1, "version": 1, "namespace": "alice"}
     assert not Path(memory_db_path(config)).exists()  # nothing went to a local store
+
+
+def test_the_team_tool_reads_by_the_keys_scan_returned(team: TeamServer) -> None:
+    """In team memory cards come from several namespaces whose ids overlap, so the tool's
+    `read` takes the keys scan gave (as the original's tool does); a key may name its
+    namespace in put's `replace` and in delete, but only the credential's own."""
+    bob = team.store("bob").put("Bob: the release train leaves on Thursdays.")
+    alice = team.store("alice")
+    tool = MemoryTool(alice, root=True, team=True)
+    definition = tool_definition(team=True)
+    jsonschema.Draft202012Validator.check_schema(definition["input_schema"])
+    inputs = jsonschema.Draft202012Validator(definition["input_schema"])
+    outputs = jsonschema.Draft202012Validator(definition["output_schema"])
+    assert (
+        '{"operation":"read","keys":[{"id":7,"version":1,"namespace":"alice"}]}'
+        in (definition["description"])
+    )
+
+    def call(request: dict[str, Any]) -> dict[str, Any]:
+        answer = tool.call(request)
+        assert outputs.is_valid(answer), answer
+        return answer
+
+    scan = call({"operation": "scan", "query": "release train"})
+    (card,) = scan["candidates"]
+    assert card["key"] == {"id": bob.key.id, "version": 1, "namespace": "bob"}
+    read = {"operation": "read", "keys": [card["key"], card["key"]]}
+    assert inputs.is_valid(read)
+    (record,) = call(read)["memories"]  # de-duplicated
+    assert record["content"] == "Bob: the release train leaves on Thursdays."
+    stale = {"operation": "read", "keys": [{**card["key"], "version": 2}]}
+    assert call(stale)["memories"] == []  # only the exact version
+    refusals: dict[str, dict[str, Any]] = {
+        "ids": {"operation": "read", "ids": [bob.key.id]},
+        "no namespace": {"operation": "read", "keys": [{"id": 1, "version": 1}]},
+        "bad namespace": {"operation": "read", "keys": [{**card["key"], "namespace": "b b"}]},
+        "extra field": {"operation": "read", "keys": [{**card["key"], "secret": "x"}]},
+    }
+    for name, request in refusals.items():
+        answer = call(request)
+        assert answer["error"]["code"] == "invalid_request", name
+        assert not inputs.is_valid(request), name
+        assert "b b" not in answer["error"]["message"]
+    foreign = call({"operation": "delete", **card["key"]})
+    assert foreign["error"]["code"] == "remote_denied"
+    call({"operation": "scan", "query": "deploys"})
+    put = call({"operation": "put", "content": "Alice: deploys wait for the release train."})
+    own = put["memory"]["key"]
+    assert own["namespace"] == "alice"
+    call({"operation": "scan", "query": "deploys"})
+    replaced = call(
+        {"operation": "put", "content": "Alice: deploys follow the train.", "replace": own}
+    )
+    assert replaced["memory"]["key"] == {**own, "version": 2} and replaced["replaced"] is True
+    deleted = call({"operation": "delete", **replaced["memory"]["key"]})
+    assert deleted == {"operation": "delete", "id": own["id"]}
+    assert [r.key.namespace for r in alice.list()] == ["bob"]  # type: ignore[attr-defined]
+    blank = dict.fromkeys(tool_definition(strict=True, team=True)["input_schema"]["properties"])
+    strict = call({**blank, "operation": "read", "keys": [card["key"]]})
+    assert [m["key"] for m in strict["memories"]] == [card["key"]]
+    with pytest.raises(TypeError, match="TeamBackend"):
+        MemoryTool(Store(":memory:"), root=True, team=True)
 
 
 def test_cli_workspace_roots_take_in_linked_git_worktrees(tmp_path: Path) -> None:

@@ -401,15 +401,13 @@ def check_put(payload: Mapping[str, Any], namespace: str, now_ms: int) -> tactme
     content, replacement = payload["content"], payload["replacement"]
     key = None if replacement is None else Key(replacement.id, replacement.version)
     try:
-        put, secret = tactmem._check_put(content, key, LIMITS, now_ms), None
-    except tactmem.SecretRejected as error:
-        put, secret = None, error
+        put, refused = tactmem._check_put(content, key, LIMITS, now_ms), None
+    except (tactmem.SecretRejected, tactmem.InvalidRequest) as error:  # a secret, or a NUL
+        put, refused = None, error
     if replacement is not None:
         _check_own(replacement, namespace)
-    if secret is not None:
-        raise secret
-    if put is None or "\0" in content:  # PostgreSQL text cannot hold NUL: no backend stores it
-        raise tactmem.InvalidRequest("memory content cannot hold a NUL character")
+    if refused is not None or put is None:
+        raise refused or tactmem.InvalidRequest()
     return put
 
 
@@ -436,8 +434,6 @@ def check_sync(payload: Mapping[str, Any], now_ms: int) -> list[tuple[Record, st
         if max(record.key.version, record.scan_count, record.use_count) > _MAX_I64:
             raise tactmem.Conflict()
         identity = tactmem._check_put(record.content, None, LIMITS, now_ms).identity
-        if "\0" in record.content:
-            raise _bad_request()
         if identity in identities:
             raise tactmem.Duplicate()
         identities.add(identity)
@@ -1455,7 +1451,9 @@ class _McpEndpoint:
         self.timeout_s = timeout_s
         self.limiter = limiter
         self.definitions = {
-            role: tactmem.tool_definition(flat=True, root=role == "writer", limits=LIMITS)
+            role: tactmem.tool_definition(
+                flat=True, root=role == "writer", team=True, limits=LIMITS
+            )
             for role in _ROLES
         }
         # Each session's tool and when it was last used, by (session id, token hash).
@@ -1542,7 +1540,8 @@ class _McpEndpoint:
             ]:
                 del self.tools[place]
             backend = NamespaceStore(self.store, principal, timeout_s=self.timeout_s)
-            kept = (tactmem.MemoryTool(backend, root=principal.role == "writer"), now)
+            tool = tactmem.MemoryTool(backend, root=principal.role == "writer", team=True)
+            kept = (tool, now)
         if session is not None:
             self.tools[session, digest] = (kept[0], now)
         return kept[0]

@@ -1190,8 +1190,8 @@ def test_mcp_surfaces_follow_the_role(start: Callable[..., Server]) -> None:
     writer, _ = mcp_calls(server.url, ALICE, [])
     reader, _ = mcp_calls(server.url, READER, [])
     assert writer.name == reader.name == "memory"
-    root = tactmem.tool_definition(flat=True, root=True)
-    child = tactmem.tool_definition(flat=True, root=False)
+    root = tactmem.tool_definition(flat=True, root=True, team=True)
+    child = tactmem.tool_definition(flat=True, root=False, team=True)
     assert (writer.input_schema, writer.output_schema) == (
         root["input_schema"], root["output_schema"],
     )  # fmt: skip
@@ -1221,10 +1221,11 @@ def test_mcp_scan_put_read_delete_round_trip(start: Callable[..., Server]) -> No
         {"operation": "scan", "query": "release tag main"},
         {"operation": "put", "content": "Release tags are cut from main.",
          "replace": {"id": 1, "version": 1}},
-        {"operation": "read", "ids": [1, 99]},
+        {"operation": "read", "keys": [{"id": 1, "version": 2, "namespace": "alice"},
+                                        {"id": 99, "version": 1, "namespace": "alice"}]},
         {"operation": "delete", "id": 1, "version": 1},  # stale
         {"operation": "delete", "id": 1, "version": 2},
-        {"operation": "read", "ids": [1]},
+        {"operation": "read", "keys": [{"id": 1, "version": 2, "namespace": "alice"}]},
     ])  # fmt: skip
     first_put, scan, put, _, replaced, read, stale, deleted, gone = answers
     assert first_put["error"]["code"] == "scan_required"
@@ -1241,6 +1242,37 @@ def test_mcp_scan_put_read_delete_round_trip(start: Callable[..., Server]) -> No
     assert [key_of(r) for r in server.client.export()] == [("bob", 1, 1)]
 
 
+def test_mcp_reads_another_namespaces_card_by_its_key(start: Callable[..., Server]) -> None:
+    server = start()
+    alice = server.client.put("alice pins the toolchain in rust-toolchain.toml")
+
+    async def bob_reads() -> list[Any]:
+        async with mcp_client(server.url, BOB) as client:
+            scan = await client.call_tool("memory", {"operation": "scan", "query": "toolchain"})
+            (card,) = scan.structured_content["candidates"]
+            answers = [scan.structured_content]
+            for arguments in (
+                {"operation": "read", "keys": [card["key"]]},  # the card's key, unchanged
+                {"operation": "read", "keys": [{**card["key"], "version": 2}]},  # not current
+                {"operation": "put", "content": "bob's version", "replace": card["key"]},
+                {"operation": "delete", **card["key"]},
+            ):
+                answers.append((await client.call_tool("memory", arguments)).structured_content)
+            return answers
+
+    scan, read, stale, replace, delete = run_async(bob_reads)
+    assert scan["candidates"][0]["key"] == alice["key"]
+    (record,) = read["memories"]
+    assert (record["key"], record["content"]) == (alice["key"], alice["content"])
+    assert record["use_count"] == 1
+    assert stale["memories"] == []
+    assert replace["error"]["code"] == delete["error"]["code"] == "remote_denied"
+    exported = server.client.export()  # alice's record is untouched but for its telemetry
+    assert [(r["key"], r["content"], r["use_count"]) for r in exported] == [
+        (alice["key"], alice["content"], 1),
+    ]  # fmt: skip
+
+
 def test_mcp_reader_cannot_change_anything(start: Callable[..., Server]) -> None:
     server = start()
     alice = server.client.put("the staging database is rebuilt every night")
@@ -1248,12 +1280,12 @@ def test_mcp_reader_cannot_change_anything(start: Callable[..., Server]) -> None
         {"operation": "scan", "query": "staging database"},
         {"operation": "put", "content": "a reader's note"},
         {"operation": "delete", "id": 1, "version": 1},
-        {"operation": "read", "ids": [1]},  # the reader's own namespace holds nothing
+        {"operation": "read", "keys": [alice["key"]]},  # a reader reads every namespace
     ])  # fmt: skip
     scan, put, delete, read = answers
     assert [card["key"] for card in scan["candidates"]] == [alice["key"]]
     assert put["error"]["code"] == delete["error"]["code"] == "not_root"
-    assert read["memories"] == []
+    assert [r["content"] for r in read["memories"]] == [alice["content"]]
     exported = server.client.export()  # nothing stored, nothing deleted (the scan is counted)
     assert [(r["key"], r["content"], r["scan_count"]) for r in exported] == [
         (alice["key"], alice["content"], 1),
