@@ -4075,6 +4075,31 @@ def _remote_failure(status: int, body: bytes) -> TactmemError:
     return _REMOTE_FAILURES[code]()
 
 
+def _team_scan(query: str, limit: int, min_coverage: float, limits: Limits) -> int | ScanResult:
+    """A team memory scan checked before any I/O: how many cards to ask the server for, or the
+    abstention that needs no server (no terms, no room)."""
+    terms, room = _scan_terms(query, limits), max(0, min(limit, limits.scan_results))
+    if _check_min_coverage(min_coverage):
+        raise InvalidRequest("min_coverage needs local memory (team memory sends no coverage)")
+    if not terms or not room:
+        return ScanResult(True, (), "no_terms" if not terms else "no_room")
+    return room
+
+
+def _team_keys(keys: Iterable[RemoteKey], limits: Limits) -> list[RemoteKey]:
+    """The keys a team memory read looks up, each once, checked before any I/O. As in the
+    original, a key no team record can have is left out, as `read` leaves out such ids: a
+    `Key` without a namespace, a malformed namespace, an id or version out of range."""
+    named = _check_id_count(list(itertools.islice(keys, _most_ids(limits) + 1)), limits)
+    if not all(isinstance(key, Key) for key in named):
+        raise InvalidRequest("read_keys takes the RemoteKeys of scan cards or records")
+    return [
+        key for key in dict.fromkeys(named)
+        if isinstance(key, RemoteKey) and _addressable(key.id) and _addressable(key.version)
+        and _is_namespace(key.namespace)
+    ]  # fmt: skip
+
+
 def _wire_key(key: Key, namespace: str | None) -> dict[str, Any]:
     return {"id": key.id, "version": key.version, **({"namespace": namespace} if namespace else {})}
 
@@ -5244,11 +5269,9 @@ class RemoteStore:
     ) -> ScanResult:  # fmt: skip
         """Rank every visible namespace on the server; cards carry `RemoteKey`s."""
         del now_ms  # the server keeps the time
-        terms, room = _scan_terms(query, self.limits), max(0, min(limit, self.limits.scan_results))
-        if _check_min_coverage(min_coverage):
-            raise InvalidRequest("min_coverage needs local memory (team memory sends no coverage)")
-        if not terms or not room:
-            return ScanResult(True, (), "no_terms" if not terms else "no_room")
+        room = _team_scan(query, limit, min_coverage, self.limits)
+        if isinstance(room, ScanResult):
+            return room
         self.session()
         cards = _remote_cards(self._call("memories/scan", {"query": query, "limit": room}), room)
         return ScanResult(not cards, cards, None if cards else "no_overlap")
@@ -5260,20 +5283,7 @@ class RemoteStore:
 
     def read_keys(self, keys: Iterable[RemoteKey]) -> tuple[Record, ...]:
         """Records of any visible namespace by `RemoteKey`, each only at that exact version."""
-        named = _check_id_count(
-            list(itertools.islice(keys, _most_ids(self.limits) + 1)), self.limits
-        )
-        if not all(isinstance(key, Key) for key in named):
-            raise InvalidRequest("read_keys takes the RemoteKeys of scan cards or records")
-        # As in the original, a key no team record can have is left out, as `read` leaves out
-        # such ids: a `Key` without a namespace, a malformed namespace, an id or version out
-        # of range.
-        wanted = [
-            key for key in dict.fromkeys(named)
-            if isinstance(key, RemoteKey) and _addressable(key.id) and _addressable(key.version)
-            and _is_namespace(key.namespace)
-        ]  # fmt: skip
-        return self._read([], wanted)
+        return self._read([], _team_keys(keys, self.limits))
 
     def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
         """Add a conclusion to this namespace, or replace one of its records at `replace`."""
@@ -5462,14 +5472,54 @@ class RemoteStore:
 # ------------------------------------------------------------------------ MCP server
 
 
+# What an MCP request is served: the `memory` tool's definition as the caller sees it, and
+# the function that answers the caller's calls (a `MemoryTool.call`).
+_McpSurface = tuple[dict[str, Any], Callable[[dict[str, Any]], dict[str, Any]]]
+
+
+def _mcp_server(
+    surface: Callable[[Any], _McpSurface], *, instructions: str | None = None, limiter: Any = None
+) -> Any:
+    """The `memory` tool as a low-level server of the official MCP SDK (the `tactmem[mcp]`
+    extra), for any transport: `tactmem mcp` serves it on stdio, `tactmem-server` over
+    streamable HTTP. `surface(context)` picks, per request, what the caller sees and who
+    answers; a call runs in a worker thread (of `limiter`, when given) and its answer travels
+    both as structured content and as JSON text."""
+    import anyio
+    import mcp.types
+    from mcp.server.lowlevel import Server
+
+    async def list_tools(context: object, _params: object) -> mcp.types.ListToolsResult:
+        definition, _ = surface(context)
+        return mcp.types.ListToolsResult(tools=[mcp.types.Tool(**definition)])
+
+    async def call_tool(
+        context: object, params: mcp.types.CallToolRequestParams
+    ) -> mcp.types.CallToolResult:
+        _, answer = surface(context)
+        if params.name != "memory":
+            result = _error_answer(InvalidRequest("unknown tool"))
+        else:
+            arguments = dict(params.arguments or {})
+            result = await anyio.to_thread.run_sync(answer, arguments, limiter=limiter)
+        return mcp.types.CallToolResult(
+            content=[mcp.types.TextContent(type="text", text=_json(result))],
+            structured_content=result,
+            is_error="error" in result,
+        )
+
+    return Server(
+        "tactmem", version=__version__, instructions=instructions,
+        on_list_tools=list_tools, on_call_tool=call_tool,
+    )  # fmt: skip
+
+
 def _serve_mcp(tool: MemoryTool | None, off: TactmemError | None, *, root: bool) -> None:
     """Serve `tool` over MCP stdio with the official SDK (the `tactmem[mcp]` extra); when
     memory is `off` (disabled, or the config is broken), a tool that answers every call with
     that error and touches no store."""
     try:
         import anyio
-        import mcp.types
-        from mcp.server.lowlevel import Server
         from mcp.server.stdio import stdio_server
     except ImportError:
         raise TactmemError("tactmem mcp needs the MCP SDK: pip install 'tactmem[mcp]'") from None
@@ -5480,30 +5530,11 @@ def _serve_mcp(tool: MemoryTool | None, off: TactmemError | None, *, root: bool)
     )
     if off is not None:
         definition["description"] = f"Disabled: {off}. Every call fails until it is enabled."
-    memory = mcp.types.Tool(**definition)
-
-    async def list_tools(_context: object, _params: object) -> mcp.types.ListToolsResult:
-        return mcp.types.ListToolsResult(tools=[memory])
-
-    async def call_tool(
-        _context: object, params: mcp.types.CallToolRequestParams
-    ) -> mcp.types.CallToolResult:
-        if params.name != "memory":
-            result = _error_answer(InvalidRequest("unknown tool"))
-        elif tool is None or off is not None:  # no tool is made without an `off` reason
-            result = _error_answer(off or ConfigError())
-        else:
-            result = await anyio.to_thread.run_sync(tool.call, dict(params.arguments or {}))
-        return mcp.types.CallToolResult(
-            content=[mcp.types.TextContent(type="text", text=_json(result))],
-            structured_content=result,
-            is_error="error" in result,
-        )
-
-    server: Any = Server(
-        "tactmem", version=__version__, instructions=None if off is None else f"{off}.",
-        on_list_tools=list_tools, on_call_tool=call_tool,
-    )  # fmt: skip
+    if tool is None or off is not None:  # no tool is made without an `off` reason
+        surface: _McpSurface = (definition, lambda _: _error_answer(off or ConfigError()))
+    else:
+        surface = (definition, tool.call)
+    server = _mcp_server(lambda _context: surface, instructions=None if off is None else f"{off}.")
 
     async def serve() -> None:
         async with stdio_server() as (read_stream, write_stream):

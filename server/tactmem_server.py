@@ -2,10 +2,11 @@
 
 The server is a second shell over tactmem's pure core: the tokenizer, BM25 ranking, previews,
 secret rules, identities, bounds, versions and plans all come from `tactmem`; this module adds
-namespaces, bearer tokens, the HTTP routes and two storage engines. Every operation is one
-transaction: read what the plan needs, ask the core, write exactly the plan.
+namespaces, bearer tokens, the HTTP routes, two storage engines, and the memory tool over MCP
+at `/mcp`. Every operation is one transaction: read what the plan needs, ask the core, write
+exactly the plan.
 
-Requires Python >= 3.11, tactmem, Starlette, uvicorn and psycopg 3 (with psycopg_pool).
+Requires Python >= 3.11, tactmem, Starlette, uvicorn, psycopg 3 (with psycopg_pool) and the MCP SDK.
 
 Command line::
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import ipaddress
 import itertools
@@ -46,12 +48,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tactmem import Key, Record, TactmemError
 
 __version__ = "0.1.0"
 
-__all__ = ["PostgresEngine", "SqliteEngine", "TeamStore", "create_app", "load_credentials", "main"]
+__all__ = [
+    "NamespaceStore", "PostgresEngine", "SqliteEngine", "TeamStore", "create_app",
+    "load_credentials", "main",
+]  # fmt: skip
 
 # ============================================================================ constants
 
@@ -61,6 +66,9 @@ MAX_BODY_BYTES: Final = 2 * 1024 * 1024
 MAX_IN_FLIGHT: Final = 64
 STORE_TIMEOUT_S: Final = 30.0
 MAX_EXPORT_PAGE: Final = 128
+MCP_PATH: Final = "/mcp"
+MCP_SESSION_IDLE_S: Final = 30 * 60.0  # an MCP session unused this long is closed
+MCP_MAX_SESSIONS: Final = 1024  # open MCP sessions per server process; more wait (503)
 _MAX_I64: Final = 2**63 - 1
 _MAX_U64: Final = 2**64 - 1
 _NAMESPACE: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -118,6 +126,7 @@ _STORE_ERRORS: Final[Mapping[type[TactmemError], tuple[int, str]]] = {
     tactmem.Conflict: (409, "conflict"),
     tactmem.NotFound: (404, "not_found"),
     tactmem.StoreBusy: (503, "unavailable"),
+    tactmem.RemoteDenied: (403, "forbidden"),  # another namespace's key, or a reader's change
 }
 
 
@@ -322,9 +331,9 @@ def _token_hash(token: str) -> bytes:
     return hashlib.sha256(token.encode("ascii")).digest()
 
 
-def authenticate(principals: _Principals, headers: Mapping[bytes, bytes]) -> Principal:
-    """The caller: `Authorization: Bearer <token>` of a known token (401 otherwise), and the
-    namespace header naming that token's namespace (403 `namespace_mismatch` otherwise)."""
+def bearer(principals: _Principals, headers: Mapping[bytes, bytes]) -> tuple[bytes, Principal]:
+    """The caller's token hash and principal: `Authorization: Bearer <token>` of a known token
+    (401 otherwise)."""
     scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
     try:
         text = token.decode("ascii")
@@ -332,9 +341,17 @@ def authenticate(principals: _Principals, headers: Mapping[bytes, bytes]) -> Pri
         raise ApiError(401, "unauthorized") from None
     if scheme.lower() != b"bearer" or _TOKEN.fullmatch(text) is None:
         raise ApiError(401, "unauthorized")
-    principal = principals.get(_token_hash(text))
+    digest = _token_hash(text)
+    principal = principals.get(digest)
     if principal is None:
         raise ApiError(401, "unauthorized")
+    return digest, principal
+
+
+def authenticate(principals: _Principals, headers: Mapping[bytes, bytes]) -> Principal:
+    """The caller of a `/v1` route: a known bearer token (401 otherwise), and the namespace
+    header naming that token's namespace (403 `namespace_mismatch` otherwise)."""
+    _, principal = bearer(principals, headers)
     if headers.get(_NAMESPACE_HEADER) != principal.namespace.encode("ascii"):
         raise ApiError(403, "namespace_mismatch")
     return principal
@@ -352,12 +369,18 @@ def _doc_key(doc_id: int) -> tuple[str, int]:
     return prefix.decode("ascii"), doc_id & _MAX_U64
 
 
+# The request checks below raise the core's errors; `_STORE_ERRORS` says how each travels on
+# `/v1`, and the memory tool at `/mcp` answers with their own codes and messages.
+
+
 def check_scan(payload: Mapping[str, Any]) -> tuple[list[str], int]:
     query, limit = payload["query"], payload["limit"]
     if len(query.encode("utf-8")) > LIMITS.query_bytes:
-        raise ApiError(413, "query_too_large")
+        raise tactmem.QueryTooLarge(LIMITS.query_bytes)
     if not 1 <= limit <= LIMITS.scan_results:
-        raise _bad_request()
+        raise tactmem.InvalidRequest(
+            f"memory scan limit must be between 1 and {LIMITS.scan_results}"
+        )
     return tactmem._scan_terms(query, LIMITS), limit
 
 
@@ -365,10 +388,10 @@ def check_read(payload: Mapping[str, Any], namespace: str) -> list[WireKey]:
     """What a read looks up, in the original's order (versioned keys, then the caller's own
     ids), each `(namespace, id)` once; local-shaped keys and unmatchable versions name nothing."""
     ids, keys = payload["ids"], payload["keys"]
-    if len(ids) + len(keys) > LIMITS.records or any(doc_id <= 0 for doc_id in ids):
-        raise _bad_request()
-    if not all(map(_valid_key, keys)):
-        raise _bad_request()
+    if len(ids) + len(keys) > LIMITS.records:
+        raise tactmem.InvalidRequest(f"a read names at most {LIMITS.records} ids and keys")
+    if any(doc_id <= 0 for doc_id in ids) or not all(map(_valid_key, keys)):
+        raise tactmem.InvalidRequest("a read names positive ids and versions")
     wanted = [key for key in keys if key.namespace is not None and key.version <= _MAX_I64]
     wanted += [WireKey(namespace, doc_id, 0) for doc_id in ids]  # version 0: any version
     first: dict[tuple[str | None, int], WireKey] = {}
@@ -377,29 +400,31 @@ def check_read(payload: Mapping[str, Any], namespace: str) -> list[WireKey]:
     return list(first.values())
 
 
+def _check_own(key: WireKey, namespace: str) -> Key:
+    """A key a change may name: a valid one of the caller's namespace (403 `forbidden`)."""
+    if not _valid_key(key) or key.namespace != namespace:
+        raise tactmem.RemoteDenied("remote memory changes only its own namespace's records")
+    return Key(key.id, key.version)
+
+
 def check_put(payload: Mapping[str, Any], namespace: str, now_ms: int) -> tactmem._Put:
     """The original router's order: empty (400), too large (413), a replacement that is not
     the caller's (403), then the store's refusals: a secret or a NUL character (400)."""
     content, replacement = payload["content"], payload["replacement"]
     key = None if replacement is None else Key(replacement.id, replacement.version)
     try:
-        put, refused = tactmem._check_put(content, key, LIMITS, now_ms), False
-    except (tactmem.SecretRejected, tactmem.InvalidRequest):  # a secret, or a NUL character
-        put, refused = None, True
-    if replacement is not None and (
-        not _valid_key(replacement) or replacement.namespace != namespace
-    ):
-        raise _forbidden()
-    if refused or put is None:
-        raise _bad_request()
+        put, refused = tactmem._check_put(content, key, LIMITS, now_ms), None
+    except (tactmem.SecretRejected, tactmem.InvalidRequest) as error:  # a secret, or a NUL
+        put, refused = None, error
+    if replacement is not None:
+        _check_own(replacement, namespace)
+    if refused is not None or put is None:
+        raise refused or tactmem.InvalidRequest()
     return put
 
 
 def check_delete(payload: Mapping[str, Any], namespace: str) -> Key:
-    key: WireKey = payload["key"]
-    if not _valid_key(key) or key.namespace != namespace:
-        raise _forbidden()
-    return Key(key.id, key.version)
+    return _check_own(payload["key"], namespace)
 
 
 def check_sync(payload: Mapping[str, Any], now_ms: int) -> list[tuple[Record, str]]:
@@ -1091,6 +1116,93 @@ class TeamStore:
         return result
 
 
+# ============================================================================ one principal (I/O)
+
+
+class NamespaceStore:
+    """One principal's view of the team store as a tactmem `Backend`, for the memory tool at
+    `/mcp`: what `tactmem.RemoteStore` means, with the `/v1` routes' own checks and `TeamStore`
+    operations in place of HTTP. Scans rank every namespace (cards carry `RemoteKey`s); `read`
+    takes ids of the principal's namespace and `read_keys` exact keys of any; put and delete
+    change the principal's namespace only, and only for a writer. Each operation is one store
+    transaction whose deadline is the store timeout."""
+
+    def __init__(
+        self, store: TeamStore, principal: Principal, *, timeout_s: float = STORE_TIMEOUT_S
+    ) -> None:
+        self.store = store
+        self.principal = principal
+        self.timeout_s = timeout_s
+        self.limits = LIMITS
+
+    def __repr__(self) -> str:
+        return f"NamespaceStore({self.principal.namespace!r}, {self.principal.role!r})"
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout_s
+
+    def _writer(self) -> str:
+        """The namespace a change may touch: a reader's is none (403 `forbidden` on `/v1`)."""
+        if self.principal.role != "writer":
+            raise tactmem.RemoteDenied("remote memory credential is read-only")
+        return self.principal.namespace
+
+    def scan(
+        self, query: str, *, limit: int = LIMITS.scan_results, min_coverage: float = 0.0,
+        now_ms: int | None = None,
+    ) -> tactmem.ScanResult:  # fmt: skip
+        room = tactmem._team_scan(query, limit, min_coverage, LIMITS)
+        if isinstance(room, tactmem.ScanResult):
+            return room
+        terms, room = check_scan({"query": query, "limit": room})
+        cards = self.store.scan(terms, room, tactmem._now_ms(now_ms), self._deadline())
+        found = tactmem._remote_cards({"candidates": cards}, room)
+        return tactmem.ScanResult(not found, found, None if found else "no_overlap")
+
+    def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
+        return self._read("ids", tactmem._read_ids(ids, LIMITS), now_ms)
+
+    def read_keys(self, keys: Iterable[tactmem.RemoteKey]) -> tuple[Record, ...]:
+        named = tactmem._team_keys(keys, LIMITS)
+        return self._read("keys", [WireKey(k.namespace, k.id, k.version) for k in named], None)
+
+    def _read(self, field: str, names: Sequence[object], now_ms: int | None) -> tuple[Record, ...]:
+        """Records by `ids` or by `keys`, in request order, as many reads as the protocol's
+        512 names a request take (an id list may name 1,024)."""
+        records: list[Record] = []
+        for start in range(0, len(names), LIMITS.records):
+            chunk = names[start : start + LIMITS.records]
+            wanted = check_read({"ids": [], "keys": [], field: chunk}, self.principal.namespace)
+            memories = self.store.read(wanted, tactmem._now_ms(now_ms), self._deadline())
+            records += tactmem._remote_records({"memories": memories}, len(wanted))
+        return tuple(records)
+
+    def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
+        namespace = self._writer()
+        wire = None if replace is None else self._wire(replace)
+        put = check_put(
+            {"content": content, "replacement": wire}, namespace, tactmem._now_ms(now_ms)
+        )
+        memory = self.store.put(namespace, put, self._deadline())
+        return tactmem._remote_put({"memory": memory}, put, namespace)
+
+    def delete(self, key: Key, *, now_ms: int | None = None) -> None:
+        del now_ms  # a delete never prunes
+        namespace = self._writer()
+        self.store.delete(
+            namespace, check_delete({"key": self._wire(key)}, namespace), self._deadline()
+        )
+
+    def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]:
+        memories = self.store.list(tactmem._now_ms(now_ms), self._deadline())
+        return tuple(tactmem._remote_records({"memories": memories}, LIMITS.records))
+
+    def _wire(self, key: Key) -> WireKey:
+        """A key as a change names it: a `RemoteKey` keeps its namespace, a plain key is the
+        principal's own."""
+        return WireKey(getattr(key, "namespace", self.principal.namespace), key.id, key.version)
+
+
 # ============================================================================ credentials (I/O)
 
 
@@ -1243,6 +1355,14 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
+def _headers(scope: Scope) -> dict[bytes, bytes]:
+    """A request's headers by lower-case name, the first of a repeated one (as axum)."""
+    headers: dict[bytes, bytes] = {}
+    for header, value in scope["headers"]:
+        headers.setdefault(header, value)
+    return headers
+
+
 def _log_event(**fields: object) -> None:
     _log.info(json.dumps(fields, separators=(",", ":")))
 
@@ -1260,9 +1380,7 @@ class _Server:
         operation = _ROUTES[request.url.path]
         name = request.url.path.rsplit("/", 1)[1]
         started = time.monotonic()
-        headers: dict[bytes, bytes] = {}
-        for header, value in request.scope["headers"]:
-            headers.setdefault(header, value)  # the first of a repeated header, as axum
+        headers = _headers(request.scope)
         principal = None
         try:
             principal = authenticate(self.principals, headers)
@@ -1356,7 +1474,8 @@ class InFlightLimit:
         self._semaphore: anyio.Semaphore | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if not path.startswith("/v1/") and path != MCP_PATH:
             await self.app(scope, receive, send)
             return
         if self._semaphore is None:  # made on the server's event loop
@@ -1374,19 +1493,188 @@ class InFlightLimit:
             self._semaphore.release()
 
 
+_MCP_CALLER: Final = "tactmem.caller"  # the ASGI scope's (token hash, principal) at /mcp
+_TOOL_OPERATIONS: Final = ("scan", "read", "put", "delete")
+
+
+class _McpEndpoint:
+    """`/mcp`: the memory tool over MCP's streamable HTTP transport, served by the official
+    SDK's session manager with stateful sessions (the tool's scan-before-put gate lives in one)
+    and JSON answers; there is no server-initiated stream (GET is 405). Every request needs a
+    known bearer token, 401 before any MCP work; a session belongs to the token that opened it
+    (the SDK answers another token as it answers an unknown session: 404). A writer gets the
+    root tool, a reader the child's (scan and read)."""
+
+    def __init__(
+        self, store: TeamStore, principals: _Principals, timeout_s: float,
+        limiter: anyio.CapacityLimiter,
+    ) -> None:  # fmt: skip
+        self.store = store
+        self.principals = principals
+        self.timeout_s = timeout_s
+        self.limiter = limiter
+        self.definitions = {
+            role: tactmem.tool_definition(
+                flat=True, root=role == "writer", team=True, limits=LIMITS
+            )
+            for role in _ROLES
+        }
+        # Each session's tool and when it was last used, by (session id, token hash).
+        self.tools: dict[tuple[str, bytes], tuple[tactmem.MemoryTool, float]] = {}
+        self.manager: Any = None
+        self.ready: anyio.Event | None = None
+
+    async def run(self) -> None:
+        """Run the SDK's session manager until cancelled. The SDK takes seconds to import, so a
+        worker thread loads it while the `/v1` routes already answer; `/mcp` requests wait."""
+        self.ready = anyio.Event()
+
+        def manager() -> Any:
+            from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+
+            return StreamableHTTPSessionManager(
+                tactmem._mcp_server(self._surface, limiter=self.limiter), json_response=True,
+                session_idle_timeout=MCP_SESSION_IDLE_S, max_request_body_size=MAX_BODY_BYTES,
+                max_sessions=MCP_MAX_SESSIONS,
+            )  # fmt: skip
+
+        self.manager = await anyio.to_thread.run_sync(manager)
+        async with self.manager.run():
+            self.ready.set()
+            await anyio.sleep_forever()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started, status, caller = time.monotonic(), 500, None
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        headers = _headers(scope)
+        try:
+            caller = bearer(self.principals, headers)
+            assert self.ready is not None  # the application's lifespan runs `run`
+            await self.ready.wait()
+            from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+
+            version = headers.get(b"mcp-protocol-version", b"").decode("latin-1")
+            if version and version not in HANDSHAKE_PROTOCOL_VERSIONS:
+                await _unsupported_version(version)(scope, receive, watched)
+                return
+            user = _mcp_user(*caller)
+            await self.manager.handle_request(
+                {**scope, "user": user, _MCP_CALLER: caller}, receive, watched
+            )
+            if scope["method"] == "DELETE" and status < 400:  # the client ended its session
+                self._forget(headers.get(b"mcp-session-id", b"").decode("latin-1"))
+        except ApiError as error:
+            response = _error_response(error)
+            response.headers["www-authenticate"] = "Bearer"
+            await response(scope, receive, watched)
+        finally:
+            principal = None if caller is None else caller[1]
+            _log_event(
+                event="mcp", method=scope["method"],
+                namespace=None if principal is None else principal.namespace,
+                role=None if principal is None else principal.role,
+                success=status < 400, status=status,
+                elapsed_ms=round((time.monotonic() - started) * 1000, 3),
+            )  # fmt: skip
+
+    def _surface(self, context: Any) -> tactmem._McpSurface:
+        """What one MCP request is served: its role's tool definition and its session's tool."""
+        request: Request = context.request
+        digest, principal = request.scope[_MCP_CALLER]
+        tool = self._tool(request.headers.get("mcp-session-id"), digest, principal)
+        definition = self.definitions[principal.role]
+        return definition, functools.partial(self._call, tool, principal)
+
+    def _tool(self, session: str | None, digest: bytes, principal: Principal) -> tactmem.MemoryTool:
+        """The session's tool, made on its first use. Tools unused for as long as the session
+        manager keeps an idle session are forgotten then (at worst a later put needs a new
+        scan). A request outside any session gets a tool of its own."""
+        now = time.monotonic()
+        kept = None if session is None else self.tools.get((session, digest))
+        if kept is None:
+            for place in [
+                p for p, (_, used) in self.tools.items() if now - used > MCP_SESSION_IDLE_S
+            ]:
+                del self.tools[place]
+            backend = NamespaceStore(self.store, principal, timeout_s=self.timeout_s)
+            tool = tactmem.MemoryTool(backend, root=principal.role == "writer", team=True)
+            kept = (tool, now)
+        if session is not None:
+            self.tools[session, digest] = (kept[0], now)
+        return kept[0]
+
+    def _forget(self, session: str) -> None:
+        for place in [p for p in self.tools if p[0] == session]:
+            del self.tools[place]
+
+    @staticmethod
+    def _call(
+        tool: tactmem.MemoryTool, principal: Principal, arguments: dict[str, Any]
+    ) -> dict[str, Any]:
+        """One tool call, and one structured line: the operation and the outcome, never a
+        query, content or any other value the agent sent."""
+        started = time.monotonic()
+        answer = tool.call(arguments)
+        operation, error = arguments.get("operation"), answer.get("error")
+        _log_event(
+            event="tool", operation=operation if operation in _TOOL_OPERATIONS else None,
+            namespace=principal.namespace, role=principal.role,
+            success=error is None, error_code=None if error is None else error["code"],
+            elapsed_ms=round((time.monotonic() - started) * 1000, 3),
+        )  # fmt: skip
+        return answer
+
+
+def _mcp_user(digest: bytes, principal: Principal) -> Any:
+    """The SDK's authenticated user for a token: the session manager binds each session to
+    the user that opened it, here the token's hash (the token itself is not kept)."""
+    from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+    from mcp.server.auth.provider import AccessToken
+
+    return AuthenticatedUser(AccessToken(token="", client_id=digest.hex(), scopes=[principal.role]))
+
+
+def _unsupported_version(version: str) -> Response:
+    """The answer to a request of MCP 2026-07-28 or later, which has no sessions to keep the
+    tool's gate in: JSON-RPC `unsupported protocol version`, naming the handshake versions, so
+    a client that negotiates falls back to the initialize handshake."""
+    from mcp_types import UNSUPPORTED_PROTOCOL_VERSION
+    from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, KNOWN_PROTOCOL_VERSIONS
+
+    data = {
+        "supported": list(HANDSHAKE_PROTOCOL_VERSIONS),
+        "requested": version if version in KNOWN_PROTOCOL_VERSIONS else "",  # no typed text
+    }
+    error = {"code": UNSUPPORTED_PROTOCOL_VERSION, "message": "Unsupported protocol version"}
+    body = {"jsonrpc": "2.0", "id": None, "error": {**error, "data": data}}
+    return Response(_body(body), 400, media_type="application/json")
+
+
 def create_app(
     store: TeamStore, principals: _Principals, *, timeout_s: float = STORE_TIMEOUT_S
 ) -> InFlightLimit:
-    """The ASGI application: the eight routes of protocol v1 under `/v1`, and `/healthz`."""
+    """The ASGI application: the eight routes of protocol v1 under `/v1`, the memory tool over
+    MCP at `/mcp`, and `/healthz`."""
     if not principals:
         raise CredentialsError("at least one credential is required")
     server = _Server(store, principals, timeout_s)
+    mcp = _McpEndpoint(store, principals, timeout_s, server.threads)
     routes = [Route(path, server.handle, methods=[op.method]) for path, op in _ROUTES.items()]
+    routes.append(Route(MCP_PATH, mcp, methods=["POST", "DELETE"]))
     routes.append(Route("/healthz", server.health, methods=["GET"]))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        yield
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(mcp.run)
+            yield
+            tasks.cancel_scope.cancel()
         await anyio.to_thread.run_sync(store.close)
         _log_event(event="stopped")
 
@@ -1424,7 +1712,8 @@ _SECONDS: Final = (0.1, 86400.0)  # PostgreSQL's and SQLite's timeouts take int 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tactmem-server",
-        description="Serve team memory over Tact's remote protocol v1 (routes under /v1).",
+        description="Serve team memory over Tact's remote protocol v1 (routes under /v1) and"
+        " the memory tool over MCP streamable HTTP (/mcp).",
         epilog="Logs are JSON lines on standard error; they never hold a token or any content.",
     )
     storage = parser.add_mutually_exclusive_group(required=True)
@@ -1505,6 +1794,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=int(arguments.store_timeout + _GRACE_S),
     )  # fmt: skip
     logging.getLogger("uvicorn").setLevel(logging.WARNING)
+    sdk = logging.getLogger("mcp")  # its lines are not JSON, and some name a session id
+    sdk.addHandler(logging.NullHandler())
+    sdk.propagate = False
     host, port = listener.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     if not ipaddress.ip_address(host).is_loopback:

@@ -1338,3 +1338,386 @@ def test_sync_report_counts_by_full_record_equality() -> None:
     assert tactmem_server.plan_sync(previous, snapshot) == {
         "inserted": 1, "replaced": 1, "unchanged": 1, "deleted": 1,
     }  # fmt: skip
+
+
+# ============================================================================ the tool at /mcp
+# The official MCP client over streamable HTTP against a real server process, on both backends.
+
+
+def mcp_client(url: str, token: str | None, mode: str = "auto") -> Any:
+    """The SDK's client of `url`/mcp, sending `token` as the bearer (none when None)."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    headers = {} if token is None else {"authorization": f"Bearer {token}"}
+    http = httpx2.AsyncClient(headers=headers, timeout=60)
+    return Client(streamable_http_client(f"{url}/mcp", http_client=http), mode=mode)
+
+
+def run_async(work: Callable[[], Any]) -> Any:
+    import anyio
+
+    async def bounded() -> Any:
+        with anyio.fail_after(120):
+            return await work()
+
+    return anyio.run(bounded)
+
+
+def mcp_calls(url: str, token: str, calls: list[dict[str, Any]]) -> tuple[Any, list[Any]]:
+    """One MCP session: its tool as listed, and each call's result, checked against the tool's
+    output schema (structured content, and the same JSON as text)."""
+    import jsonschema
+
+    async def session() -> tuple[Any, list[Any]]:
+        async with mcp_client(url, token) as client:
+            (tool,) = (await client.list_tools()).tools
+            results = []
+            for arguments in calls:
+                result = await client.call_tool("memory", arguments)
+                answer = result.structured_content
+                jsonschema.validate(answer, tool.output_schema)
+                assert json.loads(result.content[0].text) == answer
+                assert result.is_error == ("error" in answer)
+                results.append(answer)
+            return tool, results
+
+    answer: tuple[Any, list[Any]] = run_async(session)
+    return answer
+
+
+def test_mcp_surfaces_follow_the_role(start: Callable[..., Server]) -> None:
+    server = start()
+    writer, _ = mcp_calls(server.url, ALICE, [])
+    reader, _ = mcp_calls(server.url, READER, [])
+    assert writer.name == reader.name == "memory"
+    root = tactmem.tool_definition(flat=True, root=True, team=True)
+    child = tactmem.tool_definition(flat=True, root=False, team=True)
+    assert (writer.input_schema, writer.output_schema) == (
+        root["input_schema"], root["output_schema"],
+    )  # fmt: skip
+    assert (reader.input_schema, reader.output_schema) == (
+        child["input_schema"], child["output_schema"],
+    )  # fmt: skip
+    assert writer.description == root["description"] != reader.description
+    assert reader.input_schema["properties"]["operation"] == {"enum": ["scan", "read"]}
+
+    async def negotiated(mode: str) -> str | None:
+        async with mcp_client(server.url, ALICE, mode) as client:
+            version: str | None = client.session.protocol_version
+            return version
+
+    # A client that tries MCP 2026-07-28 first (no sessions) falls back to the handshake.
+    assert run_async(lambda: negotiated("auto")) == run_async(lambda: negotiated("legacy"))
+
+
+def test_mcp_scan_put_read_delete_round_trip(start: Callable[..., Server]) -> None:
+    server = start()
+    bob = server.client.put("bob keeps the release checklist in docs/release.md", "bob")
+    note = "The release tag is cut from main after the checklist passes."
+    _, answers = mcp_calls(server.url, ALICE, [
+        {"operation": "put", "content": note},  # no scan yet
+        {"operation": "scan", "query": "release checklist"},
+        {"operation": "put", "content": note},
+        {"operation": "scan", "query": "release tag main"},
+        {"operation": "put", "content": "Release tags are cut from main.",
+         "replace": {"id": 1, "version": 1}},
+        {"operation": "read", "keys": [{"id": 1, "version": 2, "namespace": "alice"},
+                                        {"id": 99, "version": 1, "namespace": "alice"}]},
+        {"operation": "delete", "id": 1, "version": 1},  # stale
+        {"operation": "delete", "id": 1, "version": 2},
+        {"operation": "read", "keys": [{"id": 1, "version": 2, "namespace": "alice"}]},
+    ])  # fmt: skip
+    first_put, scan, put, _, replaced, read, stale, deleted, gone = answers
+    assert first_put["error"]["code"] == "scan_required"
+    assert [card["key"] for card in scan["candidates"]] == [bob["key"]]  # every namespace
+    assert put["memory"]["key"] == {"id": 1, "version": 1, "namespace": "alice"}
+    assert put["memory"]["content"] == note
+    assert replaced["replaced"] is True
+    assert replaced["memory"]["key"] == {"id": 1, "version": 2, "namespace": "alice"}
+    assert [r["key"] for r in read["memories"]] == [replaced["memory"]["key"]]
+    assert read["memories"][0]["use_count"] == 1
+    assert stale["error"]["code"] == "conflict"
+    assert deleted == {"operation": "delete", "id": 1}
+    assert gone == {"operation": "read", "memories": []}
+    assert [key_of(r) for r in server.client.export()] == [("bob", 1, 1)]
+
+
+def test_mcp_reads_another_namespaces_card_by_its_key(start: Callable[..., Server]) -> None:
+    server = start()
+    alice = server.client.put("alice pins the toolchain in rust-toolchain.toml")
+
+    async def bob_reads() -> list[Any]:
+        async with mcp_client(server.url, BOB) as client:
+            scan = await client.call_tool("memory", {"operation": "scan", "query": "toolchain"})
+            (card,) = scan.structured_content["candidates"]
+            answers = [scan.structured_content]
+            for arguments in (
+                {"operation": "read", "keys": [card["key"]]},  # the card's key, unchanged
+                {"operation": "read", "keys": [{**card["key"], "version": 2}]},  # not current
+                {"operation": "put", "content": "bob's version", "replace": card["key"]},
+                {"operation": "delete", **card["key"]},
+            ):
+                answers.append((await client.call_tool("memory", arguments)).structured_content)
+            return answers
+
+    scan, read, stale, replace, delete = run_async(bob_reads)
+    assert scan["candidates"][0]["key"] == alice["key"]
+    (record,) = read["memories"]
+    assert (record["key"], record["content"]) == (alice["key"], alice["content"])
+    assert record["use_count"] == 1
+    assert stale["memories"] == []
+    assert replace["error"]["code"] == delete["error"]["code"] == "remote_denied"
+    exported = server.client.export()  # alice's record is untouched but for its telemetry
+    assert [(r["key"], r["content"], r["use_count"]) for r in exported] == [
+        (alice["key"], alice["content"], 1),
+    ]  # fmt: skip
+
+
+def test_mcp_reader_cannot_change_anything(start: Callable[..., Server]) -> None:
+    server = start()
+    alice = server.client.put("the staging database is rebuilt every night")
+    _, answers = mcp_calls(server.url, READER, [
+        {"operation": "scan", "query": "staging database"},
+        {"operation": "put", "content": "a reader's note"},
+        {"operation": "delete", "id": 1, "version": 1},
+        {"operation": "read", "keys": [alice["key"]]},  # a reader reads every namespace
+    ])  # fmt: skip
+    scan, put, delete, read = answers
+    assert [card["key"] for card in scan["candidates"]] == [alice["key"]]
+    assert put["error"]["code"] == delete["error"]["code"] == "not_root"
+    assert [r["content"] for r in read["memories"]] == [alice["content"]]
+    exported = server.client.export()  # nothing stored, nothing deleted (the scan is counted)
+    assert [(r["key"], r["content"], r["scan_count"]) for r in exported] == [
+        (alice["key"], alice["content"], 1),
+    ]  # fmt: skip
+
+
+def test_mcp_scan_gate_is_per_session(start: Callable[..., Server]) -> None:
+    server = start()
+
+    async def two_sessions() -> list[Any]:
+        async with mcp_client(server.url, ALICE) as first, mcp_client(server.url, ALICE) as other:
+            await first.call_tool("memory", {"operation": "scan", "query": "deploy"})
+            refused = await other.call_tool("memory", {"operation": "put", "content": "deploy"})
+            stored = await first.call_tool("memory", {"operation": "put", "content": "deploy"})
+            return [refused.structured_content, stored.structured_content]
+
+    refused, stored = run_async(two_sessions)
+    assert refused["error"]["code"] == "scan_required"
+    assert stored["memory"]["key"] == {"id": 1, "version": 1, "namespace": "alice"}
+
+
+def mcp_post(
+    client: Client, token: str | None, message: object, session: str | None = None,
+    headers: dict[str, str] | None = None, raw: bytes | None = None,
+) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+    """One raw JSON-RPC POST to /mcp: the status, the headers and the body."""
+    sent = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
+    if token is not None:
+        sent["authorization"] = f"Bearer {token}"
+    if session is not None:
+        sent["mcp-session-id"] = session
+        sent["mcp-protocol-version"] = "2025-11-25"
+    sent.update(headers or {})
+    connection = http.client.HTTPConnection(client.host, client.port, timeout=120)
+    try:
+        body = json.dumps(message).encode() if raw is None else raw
+        connection.request("POST", "/mcp", body=body, headers=sent)
+        response = connection.getresponse()
+        received = {name.lower(): value for name, value in response.getheaders()}
+        return response.status, received, response.read()
+    finally:
+        connection.close()
+
+
+INITIALIZE = {
+    "jsonrpc": "2.0", "id": 1, "method": "initialize",
+    "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+               "clientInfo": {"name": "test", "version": "1"}},
+}  # fmt: skip
+
+
+def mcp_open(client: Client, token: str) -> str:
+    """A session opened with `token` by hand: initialize, then initialized; its id."""
+    status, headers, _ = mcp_post(client, token, INITIALIZE)
+    assert status == 200
+    session = headers["mcp-session-id"]
+    initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    assert mcp_post(client, token, initialized, session)[0] == 202
+    return session
+
+
+def tool_call(call_id: int, **arguments: object) -> dict[str, Any]:
+    params = {"name": "memory", "arguments": arguments}
+    return {"jsonrpc": "2.0", "id": call_id, "method": "tools/call", "params": params}
+
+
+def test_mcp_needs_a_known_bearer_token(start: Callable[..., Server]) -> None:
+    server = start()
+    client = server.client
+    for token in (None, "", "unknown-token-000000000000", f"{ALICE}!"):
+        status, headers, body = mcp_post(client, token, INITIALIZE)
+        assert (status, body) == (401, error("unauthorized")), token
+        assert headers["www-authenticate"] == "Bearer"
+        assert "mcp-session-id" not in headers  # refused before any MCP work
+    basic = mcp_post(client, None, INITIALIZE, headers={"authorization": f"Basic {ALICE}"})
+    assert basic[0] == 401
+    session = mcp_open(client, ALICE)
+    scan = tool_call(2, operation="scan", query="anything")
+    assert mcp_post(client, None, scan, session)[:3:2] == (401, error("unauthorized"))
+
+    async def connect() -> None:
+        async with mcp_client(server.url, "unknown-token-000000000000") as unknown:
+            await unknown.list_tools()
+
+    with pytest.raises(Exception):  # noqa: B017 - the SDK reports a refused handshake its own way
+        run_async(connect)
+    events = [json.loads(line) for line in server.lines]
+    assert {e["event"] for e in events} == {"listening", "mcp"}  # no tool call was ever made
+    assert {e["status"] for e in events if e["event"] == "mcp" and e["namespace"] is None} == {401}
+
+
+def test_mcp_session_stays_with_the_token_that_opened_it(start: Callable[..., Server]) -> None:
+    server = start()
+    client = server.client
+    session = mcp_open(client, ALICE)
+    status, _, body = mcp_post(client, ALICE, tool_call(2, operation="scan", query="x y"), session)
+    assert status == 200 and json.loads(body)["result"]["structuredContent"]["abstained"]
+    put = tool_call(3, operation="put", content="written on a borrowed session")
+    # Another namespace's token, and even another token of the same namespace, are refused as
+    # for an unknown session; nothing is stored and the owner's scan still counts.
+    for other in (BOB, ALICE_ROTATED, READER):
+        status, _, body = mcp_post(client, other, put, session)
+        assert status == 404, other
+        assert "result" not in json.loads(body)
+    assert client.export() == []
+    status, _, body = mcp_post(client, ALICE, put, session)
+    assert status == 200
+    memory = json.loads(body)["result"]["structuredContent"]["memory"]
+    assert memory["key"] == {"id": 1, "version": 1, "namespace": "alice"}
+    assert [key_of(r) for r in client.export()] == [("alice", 1, 1)]
+    assert server.stop() == -signal.SIGTERM
+    events = [json.loads(line) for line in server.lines]  # the SDK's own lines are not logged
+    refused = [e for e in events if e["event"] == "mcp" and e["status"] == 404]
+    assert [e["namespace"] for e in refused] == ["bob", "alice", "reader"]
+    assert session not in "".join(server.lines)
+
+
+def test_mcp_refuses_the_sessionless_protocol_and_streams(start: Callable[..., Server]) -> None:
+    server = start()
+    client = server.client
+    discover = {
+        "jsonrpc": "2.0", "id": 1, "method": "server/discover",
+        "params": {"_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}},
+    }  # fmt: skip
+    for version in ("2026-07-28", "not-a-version-zebracorn"):
+        headers = {"mcp-protocol-version": version}
+        status, _, body = mcp_post(client, ALICE, discover, headers=headers)
+        answer = json.loads(body)
+        assert status == 400
+        assert answer["error"]["code"] == -32022
+        assert "2026-07-28" not in answer["error"]["data"]["supported"]
+        assert b"zebracorn" not in body
+    assert client.call("/mcp", method="GET", token=ALICE, namespace=None) == (405, b"")
+
+
+def test_mcp_bounds_and_logs(backend: list[str], start: Callable[..., Server]) -> None:
+    server = start()
+    client = server.client
+    oversized = b"x" * (2 * 1024 * 1024 + 1)
+    assert mcp_post(client, ALICE, None, raw=oversized)[0] == 413
+    # /mcp shares the 64 requests in flight with /v1: the 65th waits.
+    with ThreadPoolExecutor(65) as pool, store_locked(backend):
+        answers = [pool.submit(client.call, "/v1/memories/list", None) for _ in range(64)]
+        wait_for(lambda: health(client)["in_flight"] == 64, "64 requests in flight")
+        opening = pool.submit(mcp_post, client, ALICE, INITIALIZE)
+        wait_for(lambda: health(client)["waiting"] == 1, "the MCP request waiting")
+        time.sleep(0.3)
+        assert not opening.done()
+    assert [answer.result()[0] for answer in answers] == [200] * 64
+    assert opening.result()[0] == 200
+    _, results = mcp_calls(server.url, ALICE, [
+        {"operation": "scan", "query": "zebracorn-query-marker"},
+        {"operation": "put", "content": "note about zebracorn-marker-in-content"},
+        {"operation": "put", "content": "password = hunter2hunter2"},
+        {"operation": "zebracorn"},
+    ])  # fmt: skip
+    assert [r.get("error", {}).get("code") for r in results] == [
+        None, None, "scan_required", "invalid_request",
+    ]  # fmt: skip
+    assert server.stop() == -signal.SIGTERM
+    events = [json.loads(line) for line in server.lines]
+    assert events[-1] == {"event": "stopped"}
+    tools = [(e["operation"], e["error_code"]) for e in events if e["event"] == "tool"]
+    assert tools == [
+        ("scan", None),
+        ("put", None),
+        ("put", "scan_required"),
+        (None, "invalid_request"),
+    ]
+    calls = [e for e in events if e["event"] == "mcp"]
+    assert {e["status"] for e in calls} >= {413, 200, 202}
+    assert all(e["namespace"] == "alice" and e["role"] == "writer" for e in calls)
+    text = "".join(server.lines)
+    for leak in ("zebracorn", "hunter2", ALICE, "password", "mcp-session-id"):
+        assert leak not in text
+
+
+# ------------------------------------------------------------------------ NamespaceStore
+
+
+def team_store(backend: list[str]) -> tactmem_server.TeamStore:
+    kind, target = backend
+    if kind == "--sqlite":
+        return tactmem_server.TeamStore(tactmem_server.SqliteEngine(target))
+    return tactmem_server.TeamStore(tactmem_server.PostgresEngine(target, pool_size=2))
+
+
+def test_namespace_store_is_one_principals_backend(backend: list[str]) -> None:
+    store = team_store(backend)
+    try:
+        principal = tactmem_server.Principal
+        alice = tactmem_server.NamespaceStore(store, principal("alice", "writer"))
+        bob = tactmem_server.NamespaceStore(store, principal("bob", "writer"))
+        reader = tactmem_server.NamespaceStore(store, principal("reader", "reader"))
+        backend_type: tactmem.Backend = alice  # the storage boundary, for mypy
+        assert backend_type.limits == tactmem.Limits()
+        mine = alice.put("alice keeps the deploy runbook in ops/")
+        theirs = bob.put("bob rotates the deploy keys on fridays")
+        assert isinstance(mine.key, tactmem.RemoteKey) and isinstance(theirs.key, tactmem.RemoteKey)
+        assert mine.key == tactmem.RemoteKey(1, 1, "alice")
+        scan = reader.scan("deploy")
+        assert {card.key for card in scan.candidates} == {mine.key, theirs.key}
+        assert all(isinstance(card.key, tactmem.RemoteKey) for card in scan.candidates)
+        assert reader.scan("   ").reason == "no_terms"
+        assert reader.scan("deploy", limit=0).reason == "no_room"
+        assert [r.key for r in alice.read([1, 2, 1])] == [mine.key]  # ids: own namespace
+        assert [r.key for r in alice.read_keys([theirs.key, mine.key])] == [theirs.key, mine.key]
+        assert alice.read_keys([tactmem.RemoteKey(1, 2, "bob")]) == ()  # exact version only
+        assert [r.key for r in reader.list()] == [mine.key, theirs.key]
+        refusals: list[Callable[[], object]] = [
+            lambda: reader.put("a reader writes nothing"),
+            lambda: reader.delete(tactmem.Key(1, 1)),
+            lambda: alice.put("not alice's to replace", replace=theirs.key),
+            lambda: alice.delete(theirs.key),
+        ]
+        for refused in refusals:
+            with pytest.raises(tactmem.RemoteDenied):
+                refused()
+        with pytest.raises(tactmem.SecretRejected):
+            alice.put("password = hunter2hunter2")
+        with pytest.raises(tactmem.InvalidRequest):
+            alice.put("nul \0 inside")
+        with pytest.raises(tactmem.InvalidRequest):
+            alice.scan("deploy", min_coverage=0.5)
+        with pytest.raises(tactmem.Conflict):
+            alice.delete(tactmem.Key(1, 2))
+        replaced = alice.put("alice keeps the runbook in ops/runbook.md", replace=mine.key)
+        assert replaced.key == tactmem.RemoteKey(1, 2, "alice")
+        alice.delete(replaced.key)
+        alice.delete(replaced.key)  # already gone: the protocol's success
+        assert [r.key for r in reader.list()] == [theirs.key]
+    finally:
+        store.close()
