@@ -2094,12 +2094,12 @@ def _strict_int(value: object, what: str) -> int:
     return value
 
 
-def _strict_key(value: object, what: str, namespace: tuple[str, ...] = ()) -> Key:
-    """A key object: id and version, and in team memory the `namespace` its card gave (passed
-    as `("namespace",)`: optional; `null` is absent, as strict-mode clients send it)."""
+def _strict_key(value: object, what: str, optional: tuple[str, ...] = ()) -> Key:
+    """A key object: id and version, and the `optional` fields it may hold besides (team
+    memory's `namespace`, as its card gave it; `null` is absent, as strict clients send it)."""
     if not isinstance(value, Mapping):
         raise InvalidRequest(f"memory {what} must be an object with id and version")
-    _check_fields(value, ("id", "version"), namespace, f"memory {what}")
+    _check_fields(value, ("id", "version"), optional, f"memory {what}")
     key = Key(
         _strict_int(value["id"], f"{what} id"), _strict_int(value["version"], f"{what} version")
     )
@@ -2238,9 +2238,10 @@ def _read_keys(keys: object, limits: Limits) -> tuple[RemoteKey, ...]:
     checked = [
         _strict_key(key, "read key", ("namespace",)) for key in _check_id_count(keys, limits)
     ]
-    if not all(isinstance(key, RemoteKey) for key in checked):
+    named = tuple(key for key in checked if isinstance(key, RemoteKey))
+    if len(named) < len(checked):
         raise InvalidRequest("memory read keys need the namespace their card gave")
-    return tuple(key for key in checked if isinstance(key, RemoteKey))
+    return named
 
 
 def _answer(request: _Request, value: Any) -> dict[str, Any]:
@@ -6089,8 +6090,12 @@ def _operation_command(store: Backend, arguments: argparse.Namespace, _: Config 
     now = _now_ms()
     value = _execute(store, request, now, getattr(arguments, "min_coverage", 0.0))
     namespace = getattr(store, "namespace", "")  # team memory's own, for `deleted alice#7`
-    json_line = [_json(_answer(request, value))] if arguments.json else None
-    for line in json_line or _human(request, value, now, namespace):
+    lines = (
+        [_json(_answer(request, value))]
+        if arguments.json
+        else _human(request, value, now, namespace)
+    )
+    for line in lines:
         print(line)
     found = {"scan": lambda: not value.abstained, "read": lambda: bool(value)}
     return 0 if found.get(request.operation, lambda: True)() else _NOTHING_FOUND
