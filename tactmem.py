@@ -1321,7 +1321,6 @@ def _registry_auth(value: str) -> bool:
     """A Docker config in base64 (a whole number of its 4-character groups is decoded) whose
     registries hold an `auth`, a `password` or an identity token that is not a placeholder;
     `{"auths": {}}` and `{"credsStore": "desktop"}` hold none."""
-
     config = binascii.a2b_base64(value[: len(value) // 4 * 4]).decode("utf-8", "replace")
     return any(_real_value(found.group(1)) for found in _shape(_REGISTRY_AUTH, 0).finditer(config))
 
@@ -3871,8 +3870,8 @@ def _parse_export(data: bytes, limits: Limits) -> _Parsed:
 # Team memory (README, "Team memory"): what `RemoteStore` checks before it sends anything and
 # in every answer of a server speaking Tact's remote protocol v1 before any of it is used:
 # its shape, exactly (`_REMOTE_ANSWERS`), then the original client's bounds and order. A
-# secret-shaped card or record is dropped. Every refusal is a `RemoteError` that quotes nothing
-# it received.
+# `_screened` card or record (secret-shaped, or holding a NUL) is dropped. Every refusal is a
+# `RemoteError` that quotes nothing it received.
 
 _REMOTE_NAMESPACE: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _REMOTE_TOKEN: Final = re.compile(r"[A-Za-z0-9._~+/=-]{1,4096}")
