@@ -4075,6 +4075,36 @@ def _remote_failure(status: int, body: bytes) -> TactmemError:
     return _REMOTE_FAILURES[code]()
 
 
+# What a tactmem-server adds to each export answer about the caller's namespace, as headers
+# (the original's servers send none, and its clients ignore them): its change counter (any
+# write, prune or sync of the namespace moves it), its allocator's next id and its row count,
+# hidden rows too. A sync carrying `_IF_CHANGES` is refused (409 `conflict`, nothing changed)
+# when the counter moved since: what lets `push` plan against an export without racing.
+_FACTS: Final = ("x-tactmem-changes", "x-tactmem-next-id", "x-tactmem-records")
+_IF_CHANGES: Final = "x-tactmem-if-changes"
+_SIGNED: Final = re.compile("-?[0-9]{1,19}")
+
+
+class _TeamFacts(NamedTuple):
+    changes: int
+    next_id: int
+    records: int
+
+
+def _team_facts(headers: Mapping[str, str]) -> _TeamFacts | None:
+    """The namespace facts of an export answer's headers; None when it has none of them."""
+    values = [headers.get(name) for name in _FACTS]
+    if values == [None] * len(_FACTS):
+        return None
+    if not all(value is not None and _SIGNED.fullmatch(value) for value in values):
+        raise RemoteInvalid()
+    facts = _TeamFacts(*(int(value or "") for value in values))
+    in_range = -_MAX_SQL_INT - 1 <= facts.changes <= _MAX_SQL_INT  # a counter that wraps
+    if not (in_range and _addressable(facts.next_id) and 0 <= facts.records <= _MAX_SQL_INT):
+        raise RemoteInvalid()
+    return facts
+
+
 def _team_scan(query: str, limit: int, min_coverage: float, limits: Limits) -> int | ScanResult:
     """A team memory scan checked before any I/O: how many cards to ask the server for, or the
     abstention that needs no server (no terms, no room)."""
@@ -4107,6 +4137,306 @@ def _wire_key(key: Key, namespace: str | None) -> dict[str, Any]:
 def _wire_record(record: Record) -> dict[str, Any]:
     """A local record as a sync snapshot sends it: its local key (no namespace)."""
     return {**_to_json(record), "key": _wire_key(record.key, None)}
+
+
+# ------------------------------------------------------------------------ push plans
+# `tactmem push` (README, "Team memory: the client", "The push rule"). A push changes only the
+# team records this store has seen as they are now, and never what a key means: a replaced
+# record gets the next version, a new record an id the namespace has not used. What this store
+# has seen are its links (`_Link`), kept beside the store by each push and pull; what the team
+# holds comes from an export just before the sync. Anything else is kept as it is, or the
+# push is refused, naming team ids; `--force` makes the namespace exactly this store's records
+# (as the original's push does), still never giving a key other content.
+
+
+class _Link(NamedTuple):
+    """A local record and the team record it was pushed as or pulled from, as both were then
+    (their contents by `_digest`)."""
+
+    local_id: int
+    local_version: int
+    local_digest: str
+    namespace: str
+    remote_id: int
+    remote_version: int
+    remote_digest: str
+
+
+class _PushPlan(NamedTuple):
+    """The namespace a push sends (`snapshot`, by team id) and what it changes, by id."""
+
+    snapshot: tuple[Record, ...]
+    inserted: tuple[tuple[int, int], ...]  # (local id, team id)
+    replaced: tuple[tuple[int, int], ...]  # (local id, team id)
+    deleted: tuple[int, ...]  # team ids
+    unseen: tuple[int, ...]  # team ids this store has not seen, kept as they are
+    gone: tuple[int, ...]  # local ids whose team record was deleted since: not sent again
+    conflicts: tuple[tuple[int, str], ...]  # (team id, what happened): the push is refused
+    foreign: int  # local records pulled from other namespaces, which a push never sends
+    links: tuple[_Link, ...]  # this store's links once the snapshot is the namespace
+
+
+_CHANGED_BOTH: Final = "changed here and on the server"
+_CHANGED_GONE: Final = "changed here, deleted on the server"
+_DELETED_CHANGED: Final = "deleted here, changed on the server"
+_REWRITTEN: Final = "other content at the version this store saw"
+_TWICE: Final = "replaced here by two records"
+_NO_VERSION: Final = "no version left to replace it with"
+
+
+def _link(record: Record, namespace: str, team: Key, team_digest: str | None = None) -> _Link:
+    digest = _digest(record.content)
+    return _Link(
+        record.key.id, record.key.version, digest, namespace, team.id, team.version,
+        team_digest or digest,
+    )  # fmt: skip
+
+
+def _holds(link: _Link, record: Record | None) -> bool:
+    """Whether a link still describes this store's record (None: deleted here): a record at
+    the link's version with other content, or at an older one, is another store's."""
+    if record is None or record.key.version > link.local_version:
+        return True
+    return record.key.version == link.local_version and _digest(record.content) == link.local_digest
+
+
+def _with_reads(team: Record, mine: Record) -> Record:
+    """The team record with this store's reads of it: counts never go down, times only
+    forward, and a record read here (so off probation) is off probation there too."""
+
+    def later(a: int | None, b: int | None) -> int | None:
+        return b if a is None else a if b is None else max(a, b)
+
+    on_probation = team.probation_until_ms is not None and mine.probation_until_ms is not None
+    return attrs.evolve(
+        team,
+        scan_count=max(team.scan_count, mine.scan_count),
+        use_count=max(team.use_count, mine.use_count),
+        last_scanned_at_ms=later(team.last_scanned_at_ms, mine.last_scanned_at_ms),
+        last_used_at_ms=later(team.last_used_at_ms, mine.last_used_at_ms),
+        probation_until_ms=team.probation_until_ms if on_probation else None,
+    )
+
+
+class _Push:
+    """`_plan_push` at work: what each team id becomes (None: deleted), the new links, and
+    what the plan reports."""
+
+    def __init__(self, remote: Sequence[Record], namespace: str, force: bool) -> None:
+        self.there = {record.key.id: record for record in remote}
+        self.namespace, self.force = namespace, force
+        self.result: dict[int, Record | None] = dict(self.there)
+        self.replaced: set[int] = set()  # team ids given a new version
+        self.new: list[Record] = []  # local records that need a team id
+        self.links: list[_Link] = []
+        self.report: dict[str, list[Any]] = defaultdict(list)
+
+    def as_seen(self, link: _Link) -> bool:
+        """Whether the team record is still as the link saw it."""
+        team = self.there.get(link.remote_id)
+        return team is not None and (team.key.version, _digest(team.content)) == (
+            link.remote_version, link.remote_digest,
+        )  # fmt: skip
+
+    def change(self, link: _Link, mine: Record) -> None:
+        """A record replaced here since its link: the team's gets its content."""
+        team = self.there.get(link.remote_id)
+        if team is None:
+            self.conflict(link.remote_id, _CHANGED_GONE, mine)
+        elif not self.as_seen(link):
+            self.conflict(team.key.id, _CHANGED_BOTH, mine)
+        elif team.key.id in self.replaced:
+            self.conflict(team.key.id, _TWICE, mine)
+        else:
+            self.replace(team, mine)
+
+    def keep(self, link: _Link, mine: Record, seen: set[int]) -> None:
+        """A record not changed here since its link: the team's, with this store's reads."""
+        team = self.there.get(link.remote_id)
+        if team is None and self.force:
+            self.new.append(mine)
+            return
+        if team is None:
+            self.report["gone"].append(mine.key.id)
+        elif self.as_seen(link) and team.key.id not in self.replaced:
+            self.result[team.key.id] = _with_reads(team, mine)
+        elif team.key.version == link.remote_version and team.key.id not in seen:
+            self.conflict(team.key.id, _REWRITTEN, mine)
+            return
+        self.links.append(link)  # otherwise changed there, not here: the team's stands
+
+    def add(self, mine: Record, identities: Mapping[str, int]) -> None:
+        """A record with no link: the same conclusion the team holds unseen, or a new one."""
+        team_id = identities.get(normalized_identity(mine.content))
+        team = None if team_id is None else self.there[team_id]
+        if team is None:
+            self.new.append(mine)
+        else:
+            self.result[team.key.id] = _with_reads(team, mine)
+            self.links.append(_link(mine, self.namespace, team.key, _digest(team.content)))
+
+    def forget(self, link: _Link, claimed: set[int]) -> None:
+        """A record deleted here since its link: the team's is deleted if it is as seen (and
+        no other record here stands for it)."""
+        team = self.there.get(link.remote_id)
+        if team is None or team.key.id in claimed or self.result[team.key.id] is None:
+            return
+        if self.as_seen(link) or self.force:
+            self.result[team.key.id] = None
+            self.report["deleted"].append(team.key.id)
+        else:
+            self.report["conflicts"].append((team.key.id, _DELETED_CHANGED))
+
+    def conflict(self, team_id: int, why: str, mine: Record) -> None:
+        """Refuse; with `--force`, this store's record wins, as a new version or a new id."""
+        team = self.there.get(team_id)
+        if not self.force:
+            self.report["conflicts"].append((team_id, why))
+        elif team is None or team_id in self.replaced:
+            self.new.append(mine)
+        else:
+            self.replace(team, mine)
+
+    def replace(self, team: Record, mine: Record) -> None:
+        if team.key.version >= _MAX_SQL_INT:
+            self.report["conflicts"].append((team.key.id, _NO_VERSION))
+            return
+        self.replaced.add(team.key.id)
+        self.put(Key(team.key.id, team.key.version + 1), mine, "replaced")
+
+    def put(self, key: Key, mine: Record, verb: str = "inserted") -> None:
+        self.result[key.id] = attrs.evolve(mine, key=key)
+        self.report[verb].append((mine.key.id, key.id))
+        self.links.append(_link(mine, self.namespace, key))
+
+    def plan(self, foreign: int, unseen: tuple[int, ...]) -> _PushPlan:
+        snapshot = tuple(record for _, record in sorted(self.result.items()) if record)
+        holder: dict[str, int] = {}
+        for record in snapshot:  # the namespace holds each conclusion once
+            earlier = holder.setdefault(normalized_identity(record.content), record.key.id)
+            if earlier != record.key.id:
+                same = f"the same conclusion as {self.namespace}#{earlier}"
+                self.report["conflicts"].append((record.key.id, same))
+        if len(snapshot) > _DEFAULT_LIMITS.records:
+            raise RecordCapacity(_DEFAULT_LIMITS.records)
+        if sum(len(r.content.encode()) for r in snapshot) > _DEFAULT_LIMITS.total_content_bytes:
+            raise ContentCapacity(_DEFAULT_LIMITS.total_content_bytes)
+        report = self.report
+        return _PushPlan(
+            snapshot, tuple(report["inserted"]), tuple(report["replaced"]),
+            tuple(sorted(report["deleted"])), unseen, tuple(report["gone"]),
+            tuple(report["conflicts"]), foreign, tuple(self.links),
+        )  # fmt: skip
+
+    def allocate(self, taken: set[int], next_id: int | None) -> None:
+        """Team ids for the new records: its local id where the namespace never used it, else
+        the next unused one (the server's allocator says which are; without it, above every id
+        this store knows)."""
+        taken = taken | set(self.result)
+        floor = max(taken, default=0) + 1 if next_id is None else next_id
+        spare = itertools.count(floor)
+        for mine in self.new:
+            team_id = mine.key.id
+            if team_id < floor or team_id in taken:
+                team_id = next(i for i in spare if i not in taken)
+            if team_id >= _MAX_SQL_INT:
+                raise ContentCapacity(_DEFAULT_LIMITS.total_content_bytes)  # no id left
+            taken.add(team_id)
+            self.put(Key(team_id, mine.key.version), mine)
+
+
+def _chosen_links(
+    push: _Push, here: Mapping[int, Record], links: Sequence[_Link], pending: Sequence[_Link]
+) -> tuple[dict[int, _Link], list[_Link]]:
+    """Each local record's own-namespace link (the one its team record still matches, else
+    the first), and the links of records pulled from another namespace and not replaced here
+    since (copies, never pushed). Links that no longer describe their record are dropped; a
+    pending link counts only where the team record is as it says."""
+    candidates = [p for p in pending if _holds(p, here.get(p.local_id)) and push.as_seen(p)]
+    valid = [link for link in links if _holds(link, here.get(link.local_id))]
+    candidates += sorted(valid, key=lambda link: not push.as_seen(link))  # as seen first
+    copies = [
+        c for c in dict.fromkeys(candidates)
+        if c.namespace != push.namespace and c.local_id in here
+        and here[c.local_id].key.version == c.local_version
+    ]  # fmt: skip
+    chosen: dict[int, _Link] = {}
+    for link in candidates:
+        if link.namespace == push.namespace and link.local_id not in {c.local_id for c in copies}:
+            chosen.setdefault(link.local_id, link)
+    return chosen, copies
+
+
+_Pulled = tuple[str, int, int, str]  # a pulled team record: namespace, id, version, `_digest`
+
+
+def _pull_links(
+    local: Sequence[Record], pulled: Sequence[_Pulled], links: Sequence[_Link], merged_at_ms: int
+) -> list[_Link]:
+    """The links of a pull's records: each to the record its merge inserted (at
+    `merged_at_ms`, version 1, that very content), where this store has no link for it yet.
+    A pulled record the merge skipped (this store held its conclusion) gets no link: `push`
+    finds one of its own namespace by its identity."""
+    linked = {link.local_id for link in links}
+    fresh = {
+        _digest(record.content): record
+        for record in local
+        if record.created_at_ms == merged_at_ms
+        and record.key.version == 1
+        and record.key.id not in linked
+    }
+    return [
+        _link(fresh[digest], namespace, Key(team_id, version))
+        for namespace, team_id, version, digest in pulled
+        if digest in fresh
+    ]
+
+
+def _plan_push(
+    local: Sequence[Record], remote: Sequence[Record], links: Sequence[_Link],
+    pending: Sequence[_Link], namespace: str, *, next_id: int | None, force: bool,
+) -> _PushPlan:  # fmt: skip
+    """Plan a push of this store's records to `namespace`, which holds `remote` now (see
+    "push plans"). `links` are this store's; `pending`, those a push wrote before its sync
+    and may have failed to confirm (a crash), count only where the team record is as they
+    say. `next_id`: the namespace's allocator, when the server tells it."""
+    here = {record.key.id: record for record in local}
+    push = _Push(remote, namespace, force)
+    chosen, copies = _chosen_links(push, here, links, pending)
+    push.links += copies
+    foreign = {link.local_id for link in copies}
+    seen = {link.remote_id for link in chosen.values() if push.as_seen(link)}
+    mine = [record for record in local if record.key.id not in foreign]
+    kept = [
+        r for r in mine if r.key.id in chosen and r.key.version == chosen[r.key.id].local_version
+    ]
+    for record in mine:  # the changed ones first, so a kept one knows what was replaced
+        if record.key.id in chosen and record.key.version != chosen[record.key.id].local_version:
+            push.change(chosen[record.key.id], record)
+    for record in kept:
+        push.keep(chosen[record.key.id], record, seen)
+    linked = {link.remote_id for link in chosen.values()}
+    identities = {
+        normalized_identity(team.content): team.key.id
+        for team in remote
+        if team.key.id not in linked
+    }
+    for record in mine:
+        if record.key.id not in chosen:
+            push.add(record, identities)
+    claimed = {link.remote_id for local_id, link in chosen.items() if local_id in here}
+    for local_id, link in chosen.items():
+        if local_id not in here:
+            push.forget(link, claimed)
+    mentioned = linked | {link.remote_id for link in push.links if link.namespace == namespace}
+    unseen = sorted(set(push.there) - mentioned)
+    if force:
+        push.report["deleted"] += unseen
+        push.result.update(dict.fromkeys(unseen))
+    push.allocate(
+        linked | {link.remote_id for link in links if link.namespace == namespace}, next_id
+    )
+    return push.plan(len(foreign), () if force else tuple(unseen))
 
 
 # ============================================================================ shell (I/O)
@@ -5307,19 +5637,40 @@ class RemoteStore:
         self.session()
         return tuple(_remote_records(self._call("memories/list", None), self.limits.records))
 
-    def sync(self, records: Sequence[Record]) -> dict[str, int]:
-        """Make this namespace exactly `records` (local records, ids kept): `tactmem push`."""
+    def sync(self, records: Sequence[Record], *, if_changes: int | None = None) -> dict[str, int]:
+        """Make this namespace exactly `records` (their keys are its ids), the original's
+        snapshot: what `tactmem push` sends once it has planned it (`_plan_push`). With
+        `if_changes` (what `namespace_export` gave), a tactmem-server refuses the sync as a
+        `Conflict`, changing nothing, when the namespace changed since."""
         if self.session() != "writer":
             raise RemoteDenied("remote memory credential is read-only; push needs a writer")
         snapshot = {"memories": [_wire_record(record) for record in records]}
-        return _remote_sync(self._call("memories/sync", snapshot), len(records))
+        guard = {} if if_changes is None else {_IF_CHANGES: str(if_changes)}
+        answer, _ = self._call_noting("memories/sync", snapshot, guard)
+        return _remote_sync(answer, len(records))
 
     def export(self, namespaces: Sequence[str] | None = None) -> Sequence[Record]:
         """Every record of the chosen namespaces (None: all), page by page, at most 512
         records and 256 KiB in all: `tactmem pull`."""
+        return self._export(namespaces)[0]
+
+    def namespace_export(self) -> tuple[Sequence[Record], int, _TeamFacts | None]:
+        """This namespace's records, as `export` gives them; how many records it left out
+        (`_screened`); and what a tactmem-server says of the namespace (None: the server says
+        nothing). A `Conflict` when the namespace changed between the pages."""
+        records, dropped, facts = self._export([self.namespace])
+        if set(facts) == {None}:
+            return records, dropped, None
+        if len(set(facts)) > 1:
+            raise Conflict()
+        return records, dropped, facts[0]
+
+    def _export(
+        self, namespaces: Sequence[str] | None
+    ) -> tuple[Sequence[Record], int, Sequence[_TeamFacts | None]]:
         selected = None if namespaces is None else frozenset(map(_check_namespace, namespaces))
         self.session()
-        records = list[Record]()
+        records, dropped, facts = list[Record](), 0, list[_TeamFacts | None]()
         cursor: _Cursor | None = None
         while True:
             request = {
@@ -5327,15 +5678,16 @@ class RemoteStore:
                 "cursor": None if cursor is None else {"namespace": cursor[0], "id": cursor[1]},
                 "limit": _EXPORT_PAGE,
             }
-            page, cursor = _remote_page(
-                self._call("memories/export", request), selected, cursor, _EXPORT_PAGE
-            )
+            answer, headers = self._call_noting("memories/export", request)
+            page, cursor = _remote_page(answer, selected, cursor, _EXPORT_PAGE)
             records += page
+            dropped += len(answer["memories"]) - len(page)
+            facts.append(_team_facts(headers))
             size = sum(len(record.content.encode()) for record in records)
             if len(records) > self.limits.records or size > self.limits.total_content_bytes:
                 raise RemoteInvalid("remote memory export is larger than one store may hold")
             if cursor is None:
-                return records
+                return records, dropped, facts
 
     # -------------------------------------------------------------------- plumbing
 
@@ -5373,13 +5725,19 @@ class RemoteStore:
 
     def _call(self, route: str, body: object) -> Any:
         """One request, with the retries its route allows; the answer, of the route's shape."""
+        return self._call_noting(route, body)[0]
+
+    def _call_noting(
+        self, route: str, body: object, sent: Mapping[str, str] | None = None
+    ) -> tuple[Any, dict[str, str]]:
+        """`_call`, with headers of tactmem's own to send, and those the answer had."""
         import json
 
         data = None if route == "session" else json.dumps(body).encode()
         with self._lock:
             for backoff in _BACKOFFS_S:
                 try:
-                    status, retry_after, answer = self._exchange(route, data)
+                    status, retry_after, answer, noted = self._exchange(route, data, sent or {})
                 except _NotConnected:
                     if backoff is None:
                         raise RemoteUnavailable(
@@ -5388,16 +5746,19 @@ class RemoteStore:
                     time.sleep(backoff)
                     continue
                 if 200 <= status < 300:
-                    return _remote_answer(route, answer)
+                    return _remote_answer(route, answer), noted
                 if status in _RETRIED and route in _REPEATABLE and backoff is not None:
                     time.sleep(min(retry_after, _RETRY_AFTER_MOST_S) if retry_after else backoff)
                     continue
                 raise _remote_failure(status, answer)
         raise AssertionError("unreachable")  # the last attempt returns or raises
 
-    def _exchange(self, route: str, data: bytes | None) -> tuple[int, float | None, bytes]:
-        """Send one request on a new connection: the status, its `Retry-After` in seconds
-        (None if absent or not a number) and the body (at most `_ANSWER_BYTES`)."""
+    def _exchange(
+        self, route: str, data: bytes | None, sent: Mapping[str, str]
+    ) -> tuple[int, float | None, bytes, dict[str, str]]:
+        """Send one request on a new connection (with the `sent` headers): the status, its
+        `Retry-After` in seconds (None if absent or not a number), the body (at most
+        `_ANSWER_BYTES`) and the answer's `x-tactmem-` headers (`_team_facts`)."""
         import http.client
         import ssl
         from urllib.parse import urlsplit
@@ -5420,6 +5781,7 @@ class RemoteStore:
             "accept": "application/json",
             **({"content-type": "application/json"} if data is not None else {}),
             **({_BOOKMARK: self._bookmark} if self._bookmark else {}),
+            **sent,
         }
         try:
             try:
@@ -5444,7 +5806,12 @@ class RemoteStore:
                 self._keep_bookmark(response.headers.get_all(_BOOKMARK) or [])
             retry = response.headers.get("retry-after", "")
             seconds = float(retry) if retry.isascii() and retry.isdigit() else None  # not `²`
-            return response.status, seconds, answer
+            noted = {
+                name.lower(): value
+                for name, value in response.headers.items()
+                if name.lower().startswith("x-tactmem-")
+            }
+            return response.status, seconds, answer, noted
         finally:
             connection.close()
 
@@ -5467,6 +5834,147 @@ class RemoteStore:
             raise RemoteInvalid()
         if values and values[0]:
             self._bookmark = values[0]
+
+
+# ------------------------------------------------------------------------ the team links
+# `<database>-team` (README, "The push rule"): this store's `_Link`s, by server and namespace,
+# as JSON, written whole (a temporary file, then a rename) by each push and pull. Before its
+# sync a push writes the links its plan will make as `pending`, and before its merge a pull
+# the records it fetched as `pulled`, so a process killed between the two steps loses nothing:
+# the next push counts a pending link where the team record is as it says (`_plan_push`),
+# and finds what a pull merged by its time and contents (`_pull_links`). One push or pull of
+# a store at a time: each holds an exclusive lock of the store's directory.
+
+_LINKS_SUFFIX: Final = "-team"
+_LINKS_BYTES: Final = 1 << 20  # some 4,000 links: far more than a store and a pull hold
+_LINKS_DAMAGED: Final = "team links file {} is damaged; move it away to push and pull without it"
+
+
+def _is_digest(value: object) -> bool:
+    return isinstance(value, str) and re.fullmatch("[0-9a-f]{32}", value) is not None
+
+
+_LINK_FIELDS: Final = (_is_id, _is_id, _is_digest, _is_namespace, _is_id, _is_id, _is_digest)
+
+
+class _TeamLinks:
+    """The links file of one store, for one server and namespace (`[memory.remote]`)."""
+
+    def __init__(self, database: str, remote: RemoteConfig) -> None:
+        self.path = database + _LINKS_SUFFIX
+        self.place = f"{_check_endpoint(remote.endpoint)} {remote.namespace}"
+        self._directory: int | None = None
+
+    def __enter__(self) -> _TeamLinks:
+        import fcntl
+
+        directory = os.path.dirname(os.path.abspath(self.path))
+        try:
+            os.makedirs(directory, 0o700, exist_ok=True)
+            self._directory = os.open(directory, os.O_RDONLY)
+            fcntl.flock(self._directory, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.__exit__()
+            raise StoreBusy("another push or pull of this memory store is running") from None
+        except OSError:
+            self.__exit__()
+            raise StorageError("could not open the memory directory") from None
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._directory is not None:
+            os.close(self._directory)  # which releases the lock
+            self._directory = None
+
+    def load(self, local: Sequence[Record]) -> tuple[list[_Link], list[_Link]]:
+        """This place's links (with those of a pull that did not finish its bookkeeping) and
+        pending links."""
+        entry = self._entries().get(self.place, {})
+        links = [_Link(*link) for link in entry.get("links", [])]
+        pending = [_Link(*link) for link in entry.get("pending", [])]
+        if entry.get("pulled"):
+            merged_at, pulled = entry["pulled"]
+            links += _pull_links(local, [tuple(item) for item in pulled], links, merged_at)
+        return links, pending
+
+    def save(
+        self, links: Iterable[_Link], *, pending: Iterable[_Link] = (),
+        pulled: tuple[int, Sequence[_Pulled]] | None = None,
+    ) -> None:  # fmt: skip
+        import json
+
+        entries = self._entries()
+        entries[self.place] = {
+            "links": [list(link) for link in dict.fromkeys(links)],
+            "pending": [list(link) for link in pending],
+            "pulled": None if pulled is None else [pulled[0], [list(p) for p in pulled[1]]],
+        }
+        data = json.dumps({"tactmem-team": 1, "remotes": entries}, separators=(",", ":"))
+        try:
+            _write_private(self.path, data.encode() + b"\n")
+        except (OSError, TactmemError):
+            raise StorageError(f"could not write the team links file {self.path}") from None
+
+    def _entries(self) -> dict[str, Any]:
+        """Every place's entry, checked: a file that is damaged or not a regular file is an
+        error, never a store with no links (a push would then see nothing as seen)."""
+        import json
+
+        try:
+            data = _read_small_file(self.path, _LINKS_BYTES)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):
+            data = None
+        try:
+            found = json.loads(
+                data or b"", parse_constant=_reject_constant, object_pairs_hook=_once
+            )
+        except (ValueError, RecursionError):
+            found = None
+        if data is None or len(data) > _LINKS_BYTES or not _links_document(found):
+            raise StorageError(_LINKS_DAMAGED.format(self.path))
+        entries: dict[str, Any] = found["remotes"]
+        return entries
+
+
+def _links_document(found: Any) -> bool:
+    """Whether a links file holds what `_TeamLinks.save` writes."""
+
+    def links(value: Any) -> bool:
+        return isinstance(value, list) and all(
+            isinstance(link, list)
+            and len(link) == len(_LINK_FIELDS)
+            and all(check(item) for check, item in zip(_LINK_FIELDS, link, strict=True))
+            for link in value
+        )
+
+    def pulled(value: Any) -> bool:
+        if value is None:
+            return True
+        fields = (_is_namespace, _is_id, _is_id, _is_digest)
+        return (
+            isinstance(value, list) and len(value) == 2 and _is_count(value[0])
+            and isinstance(value[1], list)
+            and all(
+                isinstance(item, list) and len(item) == 4
+                and all(check(part) for check, part in zip(fields, item, strict=True))
+                for item in value[1]
+            )
+        )  # fmt: skip
+
+    if not isinstance(found, dict) or found.keys() != {"tactmem-team", "remotes"}:
+        return False
+    entries = found["remotes"]
+    return (
+        found["tactmem-team"] == 1 and type(found["tactmem-team"]) is int
+        and isinstance(entries, dict)
+        and all(
+            isinstance(entry, dict) and entry.keys() == {"links", "pending", "pulled"}
+            and links(entry["links"]) and links(entry["pending"]) and pulled(entry["pulled"])
+            for entry in entries.values()
+        )
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------ MCP server
@@ -6270,47 +6778,169 @@ def _team(config: Config | None) -> RemoteConfig:
     return config.remote
 
 
-def _push_command(store: Store, arguments: argparse.Namespace, config: Config | None) -> None:
-    """`push [--dry-run]`: the local store's records become this namespace's whole snapshot
-    on the server; pushed again (at most 3 times) while the local store changes meanwhile."""
+def _push_command(store: Store, arguments: argparse.Namespace, config: Config | None) -> int:
+    """`push [--dry-run] [--force]` (README, "The push rule"): plan against what the namespace
+    holds now (`_plan_push`), then sync; planned again (at most 3 passes) when the namespace
+    changed before the sync could land (a tactmem-server refuses it then) or the local store
+    changed meanwhile. Exit 1 when the push is, or a dry run's would be, refused."""
     remote = _team(config)
-    records = store.list()
-    size = sum(len(record.content.encode()) for record in records)
-    if arguments.dry_run:
-        print(
-            _json({"dry_run": True, "records": len(records), "content_bytes": size})
-            if arguments.json
-            else f"Would push {len(records)} memories ({size} content bytes) as the complete"
-            f" snapshot for namespace `{remote.namespace}`; remote-only rows may be deleted."
-        )
-        return
-    with RemoteStore.from_config(remote) as team:
+    with RemoteStore.from_config(remote) as team, _TeamLinks(store.path, remote) as file:
         for _ in range(3):
-            report, current = team.sync(records), store.list()
-            if current == records:
-                counts = ", ".join(f"{report[name]} {name}" for name in _SYNC_COUNTS)
-                print(
-                    _json({"pushed": len(records), "namespace": remote.namespace, **report})
-                    if arguments.json
-                    else f"Pushed {len(records)} memories to namespace `{remote.namespace}`:"
-                    f" {counts}."
+            records = store.list()
+            links, pending = file.load(records)
+            remote_records, dropped, facts = team.namespace_export()
+            plan = _plan_push(
+                records, remote_records, links, pending, remote.namespace,
+                next_id=None if facts is None else facts.next_id, force=arguments.force,
+            )  # fmt: skip
+            hidden = dropped if facts is None else max(0, facts.records - len(remote_records))
+            refused = bool(plan.conflicts) or (hidden > 0 and not arguments.force)
+            if arguments.dry_run:
+                _print_push_plan(plan, hidden, remote.namespace, arguments.json)
+                return 1 if refused else 0
+            if refused:
+                raise Conflict(_push_refusal(plan, hidden, remote.namespace))
+            file.save(links, pending=plan.links)
+            try:
+                report = team.sync(
+                    plan.snapshot, if_changes=None if facts is None else facts.changes
                 )
-                return
-            records = current
+            except Conflict:
+                if facts is None:
+                    raise
+                continue  # the namespace changed since the export: plan again
+            file.save(plan.links)
+            if facts is None:
+                _check_unguarded(plan, report, hidden if arguments.force else 0)
+            if store.list() == records:
+                pushed = len(records) - plan.foreign
+                _print_pushed(plan, pushed, hidden, report, remote.namespace, arguments.json)
+                return 0
     raise TactmemError(
-        "local memories kept changing while the remote snapshot was synchronized;"
-        " retry once writes settle"
+        "local memories or the team namespace kept changing while the push was planned and"
+        " sent; retry once writes settle"
     )
+
+
+def _pair_list(pairs: Sequence[tuple[int, int]], namespace: str) -> str:
+    return ", ".join(f"#{mine} as {namespace}#{team}" for mine, team in pairs) or "none"
+
+
+def _team_list(namespace: str, ids: Iterable[int]) -> str:
+    return ", ".join(f"{namespace}#{team_id}" for team_id in ids) or "none"
+
+
+def _push_notes(plan: _PushPlan, hidden: int, namespace: str, force: bool) -> Iterator[str]:
+    """What a push leaves as it is, or deletes though no record here stands for it."""
+    if plan.unseen:
+        yield (
+            f"  kept      {_team_list(namespace, plan.unseen)}, not seen by this store"
+            " (`tactmem pull` fetches, `push --force` deletes)"
+        )
+    if plan.gone:
+        gone = ", ".join(f"#{local_id}" for local_id in plan.gone)
+        yield (
+            f"  not sent  {gone}, deleted on the server since this store pushed or pulled"
+            " (`push --force` sends again)"
+        )
+    if plan.foreign:
+        yield f"  left out  {plan.foreign} records pulled from other namespaces"
+    if hidden:
+        fate = "deleted by --force" if force else "a push would delete them, so it needs --force"
+        yield (
+            f"  hidden    {hidden} records of `{namespace}` that the server holds and does not"
+            f" show (secret-shaped or malformed): {fate}"
+        )
+
+
+def _plan_json(plan: _PushPlan, hidden: int) -> dict[str, Any]:
+    return {
+        "inserted": plan.inserted, "replaced": plan.replaced, "deleted": plan.deleted,
+        "conflicts": [{"id": team_id, "reason": why} for team_id, why in plan.conflicts],
+        "unseen": plan.unseen, "gone": plan.gone, "foreign": plan.foreign, "hidden": hidden,
+    }  # fmt: skip
+
+
+def _print_push_plan(plan: _PushPlan, hidden: int, namespace: str, as_json: bool) -> None:
+    size = sum(len(record.content.encode()) for record in plan.snapshot)
+    if as_json:
+        print(_json({"dry_run": True, "namespace": namespace, "records": len(plan.snapshot),
+                     "content_bytes": size, "plan": _plan_json(plan, hidden)}))  # fmt: skip
+        return
+    conflicts = ", ".join(f"{namespace}#{team_id} ({why})" for team_id, why in plan.conflicts)
+    print(
+        f"Would push to namespace `{namespace}`, planned against what the server holds now"
+        " (read just now; nothing was sent):"
+    )
+    print(f"  insert    {_pair_list(plan.inserted, namespace)}")
+    print(f"  replace   {_pair_list(plan.replaced, namespace)}")
+    print(f"  delete    {_team_list(namespace, plan.deleted)}")
+    print(f"  conflict  {conflicts or 'none'}")
+    for line in _push_notes(plan, hidden, namespace, force=False):
+        print(line)
+    print(f"The namespace would then hold {len(plan.snapshot)} memories ({size} content bytes).")
+
+
+def _push_refusal(plan: _PushPlan, hidden: int, namespace: str) -> str:
+    """One line naming the conflicts (ids and what happened, at most eight) and counts."""
+    named = [f"{namespace}#{team_id}: {why}" for team_id, why in plan.conflicts[:8]]
+    more = len(plan.conflicts) - len(named)
+    reasons = "; ".join(named) + (f"; and {more} more" if more > 0 else "")
+    parts = [f"{len(plan.conflicts)} in conflict ({reasons})"] if plan.conflicts else []
+    if hidden:
+        parts.append(
+            f"the server holds {hidden} records of `{namespace}` that it does not show, which"
+            " a push would delete"
+        )
+    return (
+        f"push refused, nothing was changed: {'; '.join(parts)} (`tactmem push --dry-run`"
+        " shows the plan; `tactmem pull` fetches the server's records; `push --force` makes"
+        " the namespace this store's records)"
+    )
+
+
+def _print_pushed(
+    plan: _PushPlan, pushed: int, hidden: int, report: Mapping[str, int], namespace: str,
+    as_json: bool,
+) -> None:  # fmt: skip
+    if as_json:
+        print(_json({"pushed": pushed, "namespace": namespace, **report,
+                     "plan": _plan_json(plan, hidden)}))  # fmt: skip
+        return
+    counts = ", ".join(f"{report[name]} {name}" for name in _SYNC_COUNTS)
+    print(f"Pushed {pushed} memories to namespace `{namespace}`: {counts}.")
+    for line in _push_notes(plan, hidden, namespace, force=True):
+        print(line)
+
+
+def _check_unguarded(plan: _PushPlan, report: Mapping[str, int], hidden: int) -> None:
+    """A server that cannot refuse a sync whose namespace changed since its export (one that
+    sends no `_FACTS`): say when its counts show that something written meanwhile was lost."""
+    if report["inserted"] != len(plan.inserted) or report["deleted"] != len(plan.deleted) + hidden:
+        print(
+            "tactmem: warning: the server's counts differ from the plan: a record written to"
+            " the namespace during the push may have been replaced or deleted (this server"
+            " cannot refuse a sync that races a write; tactmem-server can)",
+            file=sys.stderr,
+        )
 
 
 def _pull_command(store: Store, arguments: argparse.Namespace, config: Config | None) -> None:
     """`pull --all | --namespace N ...`: merge the server's records into the local store as
-    `import` merges a file (`_plan_merge`: fresh ids, version 1, fresh probation)."""
+    `import` merges a file (`_plan_merge`: fresh ids, version 1, fresh probation), and link
+    each record it inserts to the team record it came from (`_TeamLinks`)."""
     if arguments.all == bool(arguments.namespace):
         raise _UsageError("pull takes --all, or --namespace N (repeatable); exactly one of them")
-    with RemoteStore.from_config(_team(config)) as team:
+    remote = _team(config)
+    with RemoteStore.from_config(remote) as team:
         records = team.export(None if arguments.all else arguments.namespace)
-    merged = store._merge_records(list(enumerate(records, 1)), False, _now_ms())
+    pulled = [(*_where(record), record.key.version, _digest(record.content)) for record in records]
+    with _TeamLinks(store.path, remote) as file:
+        links, pending = file.load(store.list())
+        now = _now_ms()
+        file.save(links, pending=pending, pulled=(now, pulled))
+        merged = store._merge_records(list(enumerate(records, 1)), False, now)
+        file.save([*links, *_pull_links(store.list(), pulled, links, now)], pending=pending)
     if arguments.json:
         print(_json({"fetched": len(records), **attrs.asdict(merged)}))
         return
@@ -6357,7 +6987,7 @@ _COMMANDS: Final[dict[str, tuple[str, _Run | None]]] = {
     "browse": ("browse, read and delete memories in the terminal", _browse_command),
     "tool": ("serve the memory tool as JSON lines on stdin and stdout", _serve_command),
     "mcp": ("serve the memory tool over MCP stdio (needs tactmem[mcp])", _serve_command),
-    "push": ("replace this namespace on the team server with the local records", _push_command),
+    "push": ("send the local records to this namespace on the team server", _push_command),
     "pull": ("merge team memory into the local store, with fresh ids", _pull_command),
     "demo": ("run the whole contract on a throwaway store", None),
     "eval": ("score scenarios, or paired agent runs, against pre-registered thresholds", None),
@@ -6403,7 +7033,13 @@ _ARGUMENTS: Final[dict[str, tuple[_Argument, ...]]] = {
     "restore": (_IMPORTED,),
     "tool": (_CHILD, _MIN_COVERAGE),
     "mcp": (_CHILD, _MIN_COVERAGE),
-    "push": ((("--dry-run",), {"action": "store_true", "help": "say what would be sent"}),),
+    "push": (
+        (("--dry-run",), {"action": "store_true",
+                          "help": "read the server and show the plan by id; send nothing"}),
+        (("--force",), {"action": "store_true",
+                        "help": "make the namespace exactly the local records, replacing and"
+                                " deleting records this store has not seen"}),
+    ),
     "pull": (
         (("--all",), {"action": "store_true", "help": "every namespace the token may read"}),
         (("--namespace",), {"metavar": "N", "action": "append", "help": "one namespace (repeat)"}),

@@ -1490,6 +1490,76 @@ def test_the_tool_answers_alike_over_any_backend(
         assert sqlite_load[0] == "loaded" and sqlite_load[:2] == dict_load[:2]
 
 
+# ================================================================================ push plans
+# `_plan_push` (README, "The push rule") over random local stores, team namespaces and links,
+# some of them stale, some of another namespace: whatever the links say, a push never gives a
+# key other content, never moves a version back, never reuses an id, and without `--force`
+# never changes a team record that no link of this store saw as it is.
+
+_TEXTS = [f"conclusion {word}" for word in ("alpha", "beta", "gamma", "delta", "CONCLUSION alpha")]
+_PLACES = st.integers(1, 6)
+_VERSIONS = st.integers(1, 3)
+
+
+def _records(team: bool) -> st.SearchStrategy[list[Record]]:
+    def record(doc_id: int, version: int, text: str, reads: int) -> Record:
+        key = tactmem.RemoteKey(doc_id, version, "alice") if team else Key(doc_id, version)
+        probation = None if reads else 1_000
+        return Record(key, text, 5, 5, None, reads, None, reads, probation)
+
+    one = st.builds(record, _PLACES, _VERSIONS, st.sampled_from(_TEXTS), st.integers(0, 2))
+    return st.lists(
+        one, max_size=6, unique_by=(lambda r: r.key.id, lambda r: normalized_identity(r.content))
+    )
+
+
+_links = st.lists(
+    st.builds(
+        tactmem._Link, _PLACES, _VERSIONS, st.sampled_from(_TEXTS).map(tactmem._digest),
+        st.sampled_from(["alice", "alice", "bob"]), _PLACES, _VERSIONS,
+        st.sampled_from(_TEXTS).map(tactmem._digest),
+    ),
+    max_size=6,
+)  # fmt: skip
+
+
+@given(
+    _records(False), _records(True), _links, _links, st.none() | st.integers(7, 9), st.booleans()
+)
+def test_a_push_never_rewrites_a_key_nor_touches_what_it_has_not_seen(
+    local: list[Record], remote: list[Record], links: list[Any], pending: list[Any],
+    next_id: int | None, force: bool,
+) -> None:  # fmt: skip
+    plan = tactmem._plan_push(local, remote, links, pending, "alice", next_id=next_id, force=force)
+    event(f"conflicts: {bool(plan.conflicts)}")
+    if plan.conflicts:
+        return  # refused: nothing is sent
+    there = {r.key.id: r for r in remote}
+    sent = {r.key.id: r for r in plan.snapshot}
+    assert len(sent) == len(plan.snapshot)
+    for team_id, record in sent.items():
+        old = there.get(team_id)
+        if old is None:
+            assert next_id is None or team_id >= next_id  # an id the namespace never used
+        else:
+            assert record.key.version >= old.key.version
+            if record.key.version == old.key.version:
+                assert record.content == old.content
+    seen = {
+        (link.remote_id, link.remote_version, link.remote_digest)
+        for link in [*links, *pending]
+        if link.namespace == "alice"
+    }
+    for team_id, old in there.items():
+        if force or (team_id, old.key.version, tactmem._digest(old.content)) in seen:
+            continue
+        assert team_id in sent and sent[team_id].key.version == old.key.version
+        assert sent[team_id].content == old.content
+    if force and not links and not pending:
+        wanted = {normalized_identity(r.content) for r in local}
+        assert wanted == {normalized_identity(r.content) for r in plan.snapshot}
+
+
 # ================================================================================ browser
 
 

@@ -7006,7 +7006,173 @@ def test_cli_workspace_roots_take_in_linked_git_worktrees(tmp_path: Path) -> Non
         tactmem._in_workspace(missing, str(tmp_path))
 
 
+# `_plan_push` (README, "The push rule"): examples of each case, by team id. The property in
+# test_properties.py checks the rule over random stores, links and namespaces.
+
+
+def team_at(doc_id: int, content: str, version: int = 1, **fields: Any) -> Record:
+    telemetry = {"created_at_ms": 10, "updated_at_ms": 10, "last_scanned_at_ms": None,
+                 "scan_count": 0, "last_used_at_ms": None, "use_count": 0,
+                 "probation_until_ms": None, **fields}  # fmt: skip
+    namespace = telemetry.pop("namespace", "alice")
+    return Record(tactmem.RemoteKey(doc_id, version, namespace), content, **telemetry)
+
+
+def local_record(doc_id: int, content: str, version: int = 1, **fields: Any) -> Record:
+    team = team_at(doc_id, content, version, **fields)
+    return attrs.evolve(team, key=Key(doc_id, version))
+
+
+def linked(mine: Record, team: Record) -> Any:
+    """The link a push or pull leaves between them."""
+    namespace = team.key.namespace  # type: ignore[attr-defined]
+    return tactmem._link(mine, namespace, team.key, tactmem._digest(team.content))
+
+
+def plan_push(
+    local: Sequence[Record], remote: Sequence[Record], links: Sequence[Any] = (),
+    pending: Sequence[Any] = (), *, next_id: int | None = None, force: bool = False,
+) -> Any:  # fmt: skip
+    return tactmem._plan_push(local, remote, links, pending, "alice", next_id=next_id, force=force)
+
+
+def keys_of(plan: Any) -> list[tuple[int, int, str]]:
+    return [(r.key.id, r.key.version, r.content) for r in plan.snapshot]
+
+
+def test_push_plan_keeps_ids_into_a_namespace_that_never_used_them() -> None:
+    plan = plan_push([local_record(1, "one"), local_record(3, "three", 2)], [], next_id=1)
+    assert plan.inserted == ((1, 1), (3, 3)) and keys_of(plan) == [(1, 1, "one"), (3, 2, "three")]
+    assert [(link.local_id, link.remote_id, link.remote_version) for link in plan.links] == [
+        (1, 1, 1), (3, 3, 2),
+    ]  # fmt: skip
+
+
+def test_push_plan_keeps_what_this_store_has_not_seen_and_never_reuses_an_id() -> None:
+    """The issue's first case: bob's workspace-root put is bob#1; his home store's records
+    are #1 and #2. The original's push replaced bob#1 v1 with another text."""
+    theirs = team_at(1, "Stored from inside the workspace root.")
+    mine = [local_record(1, "An unrelated local note."), local_record(2, "Another one.")]
+    for next_id, ids in ((2, ((1, 2), (2, 3))), (None, ((1, 2), (2, 3))), (7, ((1, 7), (2, 8)))):
+        plan = plan_push(mine, [theirs], next_id=next_id)  # 7: ids 2 to 6 were used, deleted
+        assert plan.inserted == ids and plan.unseen == (1,) and not plan.conflicts
+        assert keys_of(plan)[0] == (1, 1, theirs.content) and plan.snapshot[0] == theirs
+    forced = plan_push(mine, [theirs], next_id=2, force=True)
+    assert forced.deleted == (1,) and forced.unseen == () and forced.inserted == ((1, 2), (2, 3))
+
+
+def test_push_plan_after_a_pull_changes_nothing() -> None:
+    """Pulled records (fresh local ids and telemetry) go back as the team records they came
+    from, with the team's telemetry; copies of another namespace's are left out."""
+    ours = team_at(5, "Alice: CI tags releases.", 2, use_count=3, scan_count=9)
+    bobs = team_at(5, "Bob: staging listens on 5433.", namespace="bob")
+    mine = [local_record(1, ours.content, probation_until_ms=99), local_record(2, bobs.content)]
+    links = [linked(mine[0], ours), linked(mine[1], bobs)]
+    plan = plan_push(mine, [ours], links)
+    assert plan.snapshot == (ours,) and plan.foreign == 1
+    assert (plan.inserted, plan.replaced, plan.deleted, plan.conflicts) == ((), (), (), ())
+    assert sorted(plan.links) == sorted(links)
+
+
+def test_push_plan_sends_this_stores_reads_and_never_lowers_the_teams() -> None:
+    ours = team_at(5, "Alice: CI tags releases.", scan_count=4, probation_until_ms=50)
+    read_here = local_record(1, ours.content, scan_count=2, use_count=1, last_used_at_ms=40)
+    (merged,) = plan_push([read_here], [ours], [linked(read_here, ours)]).snapshot
+    assert (merged.scan_count, merged.use_count, merged.last_used_at_ms) == (4, 1, 40)
+    assert merged.probation_until_ms is None  # read here: off probation there too
+    assert merged.key == ours.key and merged.content == ours.content
+
+
+def test_push_plan_replaces_and_deletes_only_what_is_as_this_store_saw_it() -> None:
+    ours, gone = team_at(5, "Old text.", 2), team_at(6, "Deleted here.")
+    mine = local_record(1, "Old text.")
+    links = [linked(mine, ours), linked(local_record(2, gone.content), gone)]
+    edited = local_record(1, "New text.", 2)
+    plan = plan_push([edited], [ours, gone], links)
+    assert plan.replaced == ((1, 5),) and plan.deleted == (6,)
+    assert keys_of(plan) == [(5, 3, "New text.")]  # the team's version + 1, never reused
+    assert linked(edited, team_at(5, "New text.", 3)) in plan.links
+    changed = [team_at(5, "Changed on the server.", 3), team_at(6, "Changed too.", 2)]
+    refused = plan_push([edited], changed, links)
+    assert refused.conflicts == (
+        (5, "changed here and on the server"), (6, "deleted here, changed on the server"),
+    )  # fmt: skip
+    forced = plan_push([edited], changed, links, force=True)
+    assert keys_of(forced) == [(5, 4, "New text.")] and forced.deleted == (6,)
+
+
+def test_push_plan_lets_the_team_win_where_only_the_team_changed() -> None:
+    ours = team_at(5, "Text this store saw.")
+    mine = local_record(1, ours.content)
+    changed = team_at(5, "Replaced from a workspace root.", 2)
+    plan = plan_push([mine], [changed], [linked(mine, ours)])
+    assert plan.snapshot == (changed,) and not plan.conflicts and not plan.replaced
+    gone = plan_push([mine], [], [linked(mine, ours)])
+    assert (gone.snapshot, gone.gone, gone.inserted) == ((), (1,), ())
+    sent_again = plan_push([mine], [], [linked(mine, ours)], next_id=6, force=True)
+    assert sent_again.inserted == ((1, 6),)  # a new id: the old key is never given back
+
+
+def test_push_plan_calls_other_content_at_a_seen_version_a_conflict() -> None:
+    """Same id and version, other content (another client's snapshot rewrote it): always a
+    conflict, until a pull brings the new content in as a record of its own."""
+    ours = team_at(5, "Text this store saw.")
+    mine = local_record(1, ours.content)
+    rewritten = team_at(5, "Other text under the same key.")
+    plan = plan_push([mine], [rewritten], [linked(mine, ours)])
+    assert plan.conflicts == ((5, "other content at the version this store saw"),)
+    pulled = local_record(2, rewritten.content)
+    links = [linked(mine, ours), linked(pulled, rewritten)]
+    after_pull = plan_push([mine, pulled], [rewritten], links)
+    assert after_pull.snapshot == (rewritten,) and not after_pull.conflicts
+
+
+def test_push_plan_finds_a_team_record_by_its_conclusion() -> None:
+    """A record pushed before links existed (or by an older tactmem) is the same conclusion:
+    linked, not sent twice."""
+    theirs = team_at(4, "In LEDGERLINE, CI tags releases.")
+    mine = local_record(1, "in ledgerline, CI tags releases.")
+    plan = plan_push([mine], [theirs])
+    assert plan.snapshot == (theirs,) and not plan.inserted and not plan.unseen
+    assert plan.links == (linked(mine, theirs),)
+
+
+def test_push_plan_makes_an_edited_copy_of_another_namespaces_record_its_own() -> None:
+    bobs = team_at(2, "Bob: staging listens on 5433.", namespace="bob")
+    copy = local_record(7, bobs.content)
+    edited = local_record(7, "Alice: staging listens on 5434 now.", 2)
+    plan = plan_push([edited], [], [linked(copy, bobs)], next_id=1)
+    assert plan.inserted == ((7, 7),) and plan.foreign == 0
+
+
+def test_push_plan_counts_pending_links_only_where_the_sync_landed() -> None:
+    ours = team_at(5, "Old text.")
+    mine, edited = local_record(1, "Old text."), local_record(1, "New text.", 2)
+    old, new = [linked(mine, ours)], [tactmem._link(edited, "alice", Key(5, 2))]
+    landed = [team_at(5, "New text.", 2)]
+    assert plan_push([edited], landed, old, new).snapshot == tuple(landed)  # nothing again
+    assert plan_push([edited], [ours], old, new).replaced == ((1, 5),)  # the sync never ran
+    fresh = local_record(3, "A new record.")
+    pending = [tactmem._link(fresh, "alice", Key(9, 1))]
+    assert plan_push([fresh], [], [], pending, next_id=9).inserted == ((3, 9),)
+
+
+def test_push_plan_refuses_two_records_of_one_conclusion_and_the_bounds() -> None:
+    theirs = team_at(4, "Kept from the server.")
+    mine = local_record(1, "Old text.")
+    ours = team_at(5, "Old text.")
+    edited = local_record(1, "kept from THE server.", 2)
+    plan = plan_push([edited], [theirs, ours], [linked(mine, ours)])
+    assert plan.conflicts == ((5, "the same conclusion as alice#4"),)
+    many = [local_record(i, f"note number {i}") for i in range(1, 514)]
+    with pytest.raises(RecordCapacity):
+        plan_push(many, [])
+
+
 def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
+    """`push` plans against what the server holds (README, "The push rule"): a record this
+    store has never seen is kept, new local records get ids the namespace never used, and a
+    second push changes nothing; `pull` merges with fresh local ids."""
     (tmp_path / "work").mkdir()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -7014,24 +7180,35 @@ def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
     with Store(memory_db_path(config)) as local:
         first = local.put("In ledgerline, CI tags the releases.")
         local.put("The user prefers small, reviewable commits.")
-    team.store("alice").put("A server-only row that push deletes.")
+    team.store("alice").put("A server-only row this store has not seen.")
     dry = run_in(elsewhere, config, "push", "--dry-run")
-    assert dry.stdout == (
-        "Would push 2 memories (79 content bytes) as the complete snapshot for namespace"
-        " `alice`; remote-only rows may be deleted.\n"  # 36 + 43 bytes
+    kept = (
+        "  kept      alice#1, not seen by this store (`tactmem pull` fetches, `push --force`"
+        " deletes)\n"
     )
-    assert len(team.store("bob").list()) == 1  # a dry run sends nothing
+    assert dry.stdout == (
+        "Would push to namespace `alice`, planned against what the server holds now (read just"
+        " now; nothing was sent):\n"
+        "  insert    #1 as alice#2, #2 as alice#3\n  replace   none\n  delete    none\n"
+        f"  conflict  none\n{kept}"
+        "The namespace would then hold 3 memories (121 content bytes).\n"  # 42 + 36 + 43 bytes
+    )
+    assert [r.key.id for r in team.store("bob").list()] == [1]  # a dry run sends nothing
     pushed = run_in(elsewhere, config, "push")
     assert pushed.stdout == (
-        "Pushed 2 memories to namespace `alice`: 1 inserted, 1 replaced, 0 unchanged, 0 deleted.\n"
+        "Pushed 2 memories to namespace `alice`: 2 inserted, 0 replaced, 1 unchanged, 0 deleted.\n"
+        + kept
     ), pushed.stderr
     assert [(r.key.id, r.content) for r in team.store("bob").list()] == [
-        (1, first.content),
-        (2, "The user prefers small, reviewable commits."),
+        (1, "A server-only row this store has not seen."),
+        (2, first.content),
+        (3, "The user prefers small, reviewable commits."),
     ]
     again = json.loads(run_in(elsewhere, config, "--json", "push").stdout)
+    plan = {"inserted": [], "replaced": [], "deleted": [], "conflicts": [], "unseen": [1],
+            "gone": [], "foreign": 0, "hidden": 0}  # fmt: skip
     assert again == {"pushed": 2, "namespace": "alice", "inserted": 0, "replaced": 0,
-                     "unchanged": 2, "deleted": 0}  # fmt: skip
+                     "unchanged": 3, "deleted": 0, "plan": plan}  # fmt: skip
     team.store("bob").put("Bob: the staging database listens on port 5433.")
     other = tmp_path / "other"
     other.mkdir()
@@ -7040,10 +7217,10 @@ def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
     with Store(memory_db_path(pull_config)) as theirs:
         theirs.put("the user prefers SMALL, reviewable commits.")  # held: skipped
     pulled = run_in(elsewhere, pull_config, "pull", "--all")
-    assert pulled.stdout == "Pulled all namespaces: 3 fetched, 2 inserted, 1 skipped.\n"
+    assert pulled.stdout == "Pulled all namespaces: 4 fetched, 3 inserted, 1 skipped.\n"
     with Store(memory_db_path(pull_config)) as theirs:
         records = theirs.list()
-    assert [r.key for r in records] == [Key(1, 1), Key(2, 1), Key(3, 1)]  # fresh local ids
+    assert [r.key for r in records] == [Key(1, 1), Key(2, 1), Key(3, 1), Key(4, 1)]  # fresh ids
     assert all(r.probation_until_ms is not None and r.use_count == 0 for r in records)
     some = run_in(elsewhere, pull_config, "pull", "--namespace", "bob")
     assert some.stdout == "Pulled namespaces `bob`: 1 fetched, 0 inserted, 1 skipped.\n"
@@ -7064,7 +7241,14 @@ def test_push_reconciles_local_writes_that_race_the_snapshot(
     snapshots: list[int] = []
     racing, written = [1], itertools.count(1)  # how many syncs write a local record meanwhile
 
+    held: list[Any] = []  # what the last sync made the namespace, as export shows it
+
+    def export(*_: object) -> tuple[int, dict[str, str], Any]:
+        team = [{**r, "key": {**r["key"], "namespace": "alice"}} for r in held]
+        return 200, {}, {"memories": team, "next_cursor": None}
+
     def sync(body: Any, *_: object) -> tuple[int, dict[str, str], Any]:
+        held[:] = body["memories"]
         snapshots.append(len(body["memories"]))
         if len(snapshots) <= racing[0]:
             with Store(memory_db_path(config)) as local:
@@ -7072,7 +7256,7 @@ def test_push_reconciles_local_writes_that_race_the_snapshot(
         counts = {"inserted": len(body["memories"]), "replaced": 0, "unchanged": 0, "deleted": 0}
         return 200, {}, counts
 
-    stub = StubServer({"session": SESSION, "memories/sync": sync})
+    stub = StubServer({"session": SESSION, "memories/export": export, "memories/sync": sync})
     try:
         config = team_config(tmp_path, stub.url, ["work"])
         with Store(memory_db_path(config)) as local:

@@ -78,6 +78,12 @@ _CREDENTIALS_FILE_BYTES: Final = 1 << 20
 _ROLES: Final = ("reader", "writer")
 _RETRIES: Final = 3  # a transaction PostgreSQL aborted for a deadlock is run again this often
 _GRACE_S: Final = 5.0  # past the store timeout, a request stops waiting for a stuck thread
+# Beyond the original (README, "Safe pushes"): each export answer says, in these headers, the
+# caller's namespace's change counter, next id and row count, and a sync naming the counter in
+# `IF_CHANGES` is refused (409 conflict, nothing changed) if the counter has moved since.
+FACT_HEADERS: Final = ("x-tactmem-changes", "x-tactmem-next-id", "x-tactmem-records")
+IF_CHANGES: Final = "x-tactmem-if-changes"
+_SIGNED: Final = re.compile(rb"-?[0-9]{1,19}")
 
 _log = logging.getLogger("tactmem_server")
 
@@ -451,6 +457,16 @@ def check_sync(payload: Mapping[str, Any], now_ms: int) -> list[tuple[Record, st
         identities.add(identity)
         checked.append((record, identity))
     return checked
+
+
+def check_guard(value: bytes | None) -> int | None:
+    """A sync's `IF_CHANGES` header: the change counter it expects (a 64-bit integer), or None
+    without one; anything else is 400."""
+    if value is None:
+        return None
+    if _SIGNED.fullmatch(value) is None or not -_MAX_I64 - 1 <= int(value) <= _MAX_I64:
+        raise _bad_request()
+    return int(value)
 
 
 def _admitted(key: WireKey, record: Record) -> bool:
@@ -1036,9 +1052,15 @@ class TeamStore:
         self._run(deadline, operation)
 
     def sync(
-        self, namespace: str, snapshot: Sequence[tuple[Record, str]], now_ms: int, deadline: float
-    ) -> dict[str, int]:
+        self, namespace: str, snapshot: Sequence[tuple[Record, str]], now_ms: int,
+        deadline: float, if_changes: int | None = None,
+    ) -> dict[str, int]:  # fmt: skip
+        """The snapshot becomes the namespace; with `if_changes`, only if the namespace's
+        change counter is still that (else `Conflict`, nothing changed)."""
+
         def operation(tx: _Tx) -> dict[str, int]:
+            if if_changes is not None and self._facts(tx, namespace, lock=True)[0] != if_changes:
+                raise tactmem.Conflict()
             next_id = self._prune(tx, now_ms, namespace)[namespace]
             rows = tx.rows(f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?", [namespace])
             previous = {r.key.id: r for _, r in map(_namespaced, rows)}
@@ -1076,10 +1098,12 @@ class TeamStore:
         limit: int,
         now_ms: int,
         deadline: float,
-    ) -> dict[str, Any]:
+        own: str,
+    ) -> tuple[dict[str, Any], tuple[int, int, int]]:
         """One page in `(namespace, id)` order, numeric ids, strictly after the cursor, of the
         rows `_served` admits; the next cursor only when a record follows (rows are fetched
-        until one more than the page is found, or none is left)."""
+        until one more than the page is found, or none is left). And `_facts` of `own`, the
+        caller's namespace, as the page was read."""
 
         def rows_after(tx: _Tx, after: tuple[str, int] | None, count: int) -> list[Any]:
             where: list[str] = ["1 = 1"]
@@ -1096,7 +1120,7 @@ class TeamStore:
                 params,
             )
 
-        def operation(tx: _Tx) -> dict[str, Any]:
+        def operation(tx: _Tx) -> tuple[dict[str, Any], tuple[int, int, int]]:
             self._prune(tx, now_ms)
             page: list[tuple[str, Record]] = []
             after, wanted = cursor, limit + 1
@@ -1110,10 +1134,28 @@ class TeamStore:
             next_cursor = (
                 None if last is None else {"namespace": last["namespace"], "id": last["id"]}
             )
-            return {"memories": memories, "next_cursor": next_cursor}
+            return {"memories": memories, "next_cursor": next_cursor}, self._facts(tx, own)
 
-        result: dict[str, Any] = self._run(deadline, operation)
+        result: tuple[dict[str, Any], tuple[int, int, int]] = self._run(deadline, operation)
         return result
+
+    def _facts(self, tx: _Tx, namespace: str, *, lock: bool = False) -> tuple[int, int, int]:
+        """A namespace's change counter, next id and row count (hidden rows too); a namespace
+        never written is `(0, 1, 0)`. `lock`: its row is made if missing and locked first, so
+        no write of the namespace commits in between (on PostgreSQL)."""
+        if lock:
+            tx.run(
+                "INSERT INTO memory_namespaces (namespace) VALUES (?) ON CONFLICT DO NOTHING",
+                [namespace],
+            )
+        lock_sql = self.engine.lock_sql if lock else ""
+        found = tx.rows(
+            f"SELECT changes, next_id FROM memory_namespaces WHERE namespace = ?{lock_sql}",
+            [namespace],
+        )
+        ((rows,),) = tx.rows("SELECT COUNT(*) FROM memories WHERE namespace = ?", [namespace])
+        changes, next_id = found[0] if found else (0, 1)
+        return changes, next_id, rows
 
 
 # ============================================================================ one principal (I/O)
@@ -1255,68 +1297,78 @@ class _Operation(NamedTuple):
     method: str
     writer: bool
     body: str | None  # the request shape in `_REQUESTS`
-    run: Callable[[TeamStore, Principal, Any, float], tuple[Any, dict[str, int]]]
+    run: Callable[[_Call, Any], _Reply]
+
+
+class _Reply(NamedTuple):
+    """A route's answer, the counts its log line carries, and headers of tactmem's own."""
+
+    answer: Any
+    counts: dict[str, int]
+    headers: Mapping[str, str] = {}
 
 
 def _now() -> int:
     return tactmem._now_ms()
 
 
-def _scan(
-    store: TeamStore, _p: Principal, payload: Any, deadline: float
-) -> tuple[Any, dict[str, int]]:
+class _Call(NamedTuple):
+    """One request as a route's work sees it (in a worker thread, with the request's
+    deadline)."""
+
+    store: TeamStore
+    principal: Principal
+    deadline: float
+    headers: Mapping[bytes, bytes]
+
+
+def _scan(call: _Call, payload: Any) -> _Reply:
     terms, limit = check_scan(payload)
-    cards = store.scan(terms, limit, _now(), deadline)
-    return {"candidates": cards}, {"candidate_count": len(cards)}
+    cards = call.store.scan(terms, limit, _now(), call.deadline)
+    return _Reply({"candidates": cards}, {"candidate_count": len(cards)})
 
 
-def _read(
-    store: TeamStore, p: Principal, payload: Any, deadline: float
-) -> tuple[Any, dict[str, int]]:
-    memories = store.read(check_read(payload, p.namespace), _now(), deadline)
-    return {"memories": memories}, {"record_count": len(memories)}
+def _read(call: _Call, payload: Any) -> _Reply:
+    wanted = check_read(payload, call.principal.namespace)
+    memories = call.store.read(wanted, _now(), call.deadline)
+    return _Reply({"memories": memories}, {"record_count": len(memories)})
 
 
-def _list(
-    store: TeamStore, _p: Principal, _payload: Any, deadline: float
-) -> tuple[Any, dict[str, int]]:
-    memories = store.list(_now(), deadline)
-    return {"memories": memories}, {"record_count": len(memories)}
+def _list(call: _Call, _payload: Any) -> _Reply:
+    memories = call.store.list(_now(), call.deadline)
+    return _Reply({"memories": memories}, {"record_count": len(memories)})
 
 
-def _put(
-    store: TeamStore, p: Principal, payload: Any, deadline: float
-) -> tuple[Any, dict[str, int]]:
-    memory = store.put(p.namespace, check_put(payload, p.namespace, _now()), deadline)
-    return {"memory": memory}, {"record_count": 1}
+def _put(call: _Call, payload: Any) -> _Reply:
+    namespace = call.principal.namespace
+    memory = call.store.put(namespace, check_put(payload, namespace, _now()), call.deadline)
+    return _Reply({"memory": memory}, {"record_count": 1})
 
 
-def _delete(
-    store: TeamStore, p: Principal, payload: Any, deadline: float
-) -> tuple[Any, dict[str, int]]:
-    store.delete(p.namespace, check_delete(payload, p.namespace), deadline)
-    return {}, {"record_count": 1}
+def _delete(call: _Call, payload: Any) -> _Reply:
+    namespace = call.principal.namespace
+    call.store.delete(namespace, check_delete(payload, namespace), call.deadline)
+    return _Reply({}, {"record_count": 1})
 
 
-def _sync(
-    store: TeamStore, p: Principal, payload: Any, deadline: float
-) -> tuple[Any, dict[str, int]]:
-    now = _now()
-    report = store.sync(p.namespace, check_sync(payload, now), now, deadline)
-    return report, {f"report_{name}": count for name, count in report.items()}
+def _sync(call: _Call, payload: Any) -> _Reply:
+    now, guard = _now(), check_guard(call.headers.get(IF_CHANGES.encode()))
+    snapshot = check_sync(payload, now)
+    report = call.store.sync(call.principal.namespace, snapshot, now, call.deadline, guard)
+    return _Reply(report, {f"report_{name}": count for name, count in report.items()})
 
 
-def _export(
-    store: TeamStore, _p: Principal, payload: Any, deadline: float
-) -> tuple[Any, dict[str, int]]:
-    page = store.export(*check_export(payload), _now(), deadline)
-    return page, {"record_count": len(page["memories"])}
+def _export(call: _Call, payload: Any) -> _Reply:
+    own = call.principal.namespace
+    page, facts = call.store.export(*check_export(payload), _now(), call.deadline, own)
+    headers = dict(zip(FACT_HEADERS, map(str, facts), strict=True))
+    return _Reply(page, {"record_count": len(page["memories"])}, headers)
 
 
-def _session(
-    _store: TeamStore, p: Principal, _payload: Any, _deadline: float
-) -> tuple[Any, dict[str, int]]:
-    return {"protocol_version": PROTOCOL_VERSION, "namespace": p.namespace, "role": p.role}, {}
+def _session(call: _Call, _payload: Any) -> _Reply:
+    principal = call.principal
+    answer = {"protocol_version": PROTOCOL_VERSION, **principal._asdict()}
+    return _Reply(answer, {})
 
 
 _ROUTES: Final[Mapping[str, _Operation]] = {
@@ -1391,8 +1443,8 @@ class _Server:
                 if not _json_content_type(headers.get(b"content-type", b"")):
                     raise _bad_request()
                 body = await _read_body(request)
-            answer, counts = await self._run(operation, principal, body)
-            data = _body(answer)
+            reply = await self._run(operation, principal, body, headers)
+            data = _body(reply.answer)
         except ApiError as error:
             self._trace(name, principal, started, error.status, error.code, error.log)
             return _error_response(error)
@@ -1403,18 +1455,21 @@ class _Server:
             failure = _internal(error)
             self._trace(name, principal, started, 500, failure.code, failure.log)
             return _error_response(failure)
-        self._trace(name, principal, started, 200, None, counts)
-        return Response(data, media_type="application/json")
+        self._trace(name, principal, started, 200, None, reply.counts)
+        return Response(data, headers=reply.headers, media_type="application/json")
 
-    async def _run(self, operation: _Operation, principal: Principal, body: bytes | None) -> Any:
+    async def _run(
+        self, operation: _Operation, principal: Principal, body: bytes | None,
+        headers: Mapping[bytes, bytes],
+    ) -> _Reply:  # fmt: skip
         deadline = time.monotonic() + self.timeout_s
 
-        def work() -> tuple[Any, dict[str, int]]:
+        def work() -> _Reply:
             payload = None
             if operation.body is not None and body is not None:
                 payload = _fields(decode_json(body), _REQUESTS[operation.body], closed=True)
             try:
-                return operation.run(self.store, principal, payload, deadline)
+                return operation.run(_Call(self.store, principal, deadline, headers), payload)
             except TactmemError as error:
                 raise _api_error(error) from None
 
