@@ -1721,3 +1721,216 @@ def test_namespace_store_is_one_principals_backend(backend: list[str]) -> None:
         assert [r.key for r in reader.list()] == [theirs.key]
     finally:
         store.close()
+
+
+# ============================================================================ safe pushes
+# Issue 25: `tactmem push` (the client, in tactmem.py) plans against the namespace's export and
+# sends the sync with `IF_CHANGES`, so it never rewrites or deletes a record it has not seen
+# (README, "The push rule"). Real `tactmem` processes against a real server on each backend,
+# some through a relay that acts between the export and the sync.
+
+
+class Relay:
+    """An HTTP relay on 127.0.0.1 in front of a server: each request goes on as it came and
+    its answer comes back. `before[route]` runs once just before a request of that route goes
+    on, `after[route]` once when its answer is back; `statuses` keeps each route's answers."""
+
+    def __init__(self, target: str) -> None:
+        import http.server
+
+        self.before: dict[str, Callable[[], None]] = {}
+        self.after: dict[str, Callable[[], None]] = {}
+        self.statuses: dict[str, list[int]] = {}
+        parts, relay = urlsplit(target), self
+        skipped = {"host", "connection", "content-length", "transfer-encoding", "date", "server"}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def relay(self) -> None:
+                route = self.path.removeprefix("/v1/")
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                relay.before.pop(route, lambda: None)()
+                onward = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=60)
+                sent = {k: v for k, v in self.headers.items() if k.lower() not in skipped}
+                onward.request(self.command, self.path, body or None, sent)
+                answer = onward.getresponse()
+                data = answer.read()
+                onward.close()
+                relay.statuses.setdefault(route, []).append(answer.status)
+                relay.after.pop(route, lambda: None)()
+                self.send_response(answer.status)
+                for name, value in answer.getheaders():
+                    if name.lower() not in skipped:
+                        self.send_header(name, value)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = relay
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def relay_to() -> Iterator[Callable[[Server], Relay]]:
+    relays: list[Relay] = []
+
+    def made(server: Server) -> Relay:
+        relays.append(Relay(server.url))
+        return relays[-1]
+
+    yield made
+    for relay in relays:
+        relay.close()
+
+
+class Member:
+    """A team member's `tactmem`: a config whose `[memory.remote]` names `url`, with the
+    workspace root `work` beside `home`, run as a real process in one of the two."""
+
+    def __init__(self, directory: pathlib.Path, namespace: str, url: str) -> None:
+        self.base = directory / namespace
+        for place in ("home", "work"):
+            (self.base / place).mkdir(parents=True)
+        self.config = self.base / "config.toml"
+        self.config.write_text(
+            "[memory]\nenabled = true\n\n[memory.remote]\n"
+            f'endpoint = "{url}"\nnamespace = "{namespace}"\n'
+            f'bearer_token = "{TOKENS[namespace]}"\nworkspace_roots = ["work"]\n'
+        )
+        self.config.chmod(0o600)
+
+    def command(self, *argv: str) -> list[str]:
+        return [sys.executable, "-m", "tactmem", "--config", str(self.config), *argv]
+
+    def __call__(self, *argv: str, where: str = "home", status: int = 0) -> str:
+        done = subprocess.run(
+            self.command(*argv), cwd=self.base / where, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert done.returncode == status, (done.stdout, done.stderr)
+        return done.stdout
+
+
+def team_of(server: Server) -> dict[tuple[str, int, int], str]:
+    """Every record the server holds, by namespace, id and version."""
+    return {
+        (r["key"]["namespace"], r["key"]["id"], r["key"]["version"]): r["content"]
+        for r in server.client.export()
+    }
+
+
+STAGING = "In ledgerline, the staging database listens on port 5433."
+TABS = "The user prefers tabs in Makefiles, spaces elsewhere."
+CHECKLIST = "Bob's deploy checklist lives in docs/deploy.md."
+
+
+def test_push_never_rewrites_a_record_it_has_not_seen(
+    start: Callable[..., Server], tmp_path: pathlib.Path
+) -> None:
+    """The report of issue 25, step by step. Bob stores bob#1 from inside his workspace root;
+    from home, `push` replaced it with a local note, still at version 1. Alice pulls
+    everything and pushes: that moved her records to new ids, reset their read counts, and
+    put bob's records in her namespace too. Now each push keeps what it has not seen, and a
+    pull then a push changes nothing on the server."""
+    server = start()
+    bob = Member(tmp_path, "bob", server.url)
+    assert bob("put", STAGING, where="work") == "stored bob#1 v1\n"
+    bob("put", TABS)
+    bob("put", CHECKLIST)
+    before = server.client.export()
+    assert bob("push", "--dry-run") == (
+        "Would push to namespace `bob`, planned against what the server holds now (read just"
+        " now; nothing was sent):\n"
+        "  insert    #1 as bob#2, #2 as bob#3\n  replace   none\n  delete    none\n"
+        "  conflict  none\n"
+        "  kept      bob#1, not seen by this store (`tactmem pull` fetches, `push --force`"
+        " deletes)\n"
+        "The namespace would then hold 3 memories (157 content bytes).\n"  # 57 + 53 + 47
+    )
+    assert server.client.export() == before  # a dry run sends nothing
+    assert bob("push").startswith(
+        "Pushed 2 memories to namespace `bob`: 2 inserted, 0 replaced, 1 unchanged, 0 deleted.\n"
+    )
+    bobs = {("bob", 1, 1): STAGING, ("bob", 2, 1): TABS, ("bob", 3, 1): CHECKLIST}
+    assert team_of(server) == bobs
+    alice = Member(tmp_path, "alice", server.url)
+    assert alice("put", "Alice: CI tags the releases.", where="work") == "stored alice#1 v1\n"
+    alice("put", "Alice: integration tests need PGHOST=localhost.", where="work")
+    alice("read", "1", where="work")
+    alice("read", "1", "2", where="work")
+    pulled = alice("pull", "--all")
+    assert pulled == "Pulled all namespaces: 5 fetched, 5 inserted, 0 skipped.\n"
+    before = server.client.export()
+    assert [r["use_count"] for r in before[:2]] == [2, 1]
+    assert alice("push") == (
+        "Pushed 2 memories to namespace `alice`: 0 inserted, 0 replaced, 2 unchanged,"
+        " 0 deleted.\n  left out  3 records pulled from other namespaces\n"
+    )
+    assert server.client.export() == before  # ids, versions, read counts: all as they were
+    scan = server.client.ok("/v1/memories/scan", {"query": "staging database", "limit": 5},
+                            namespace="reader")  # fmt: skip
+    assert [c["key"]["namespace"] for c in scan["candidates"]] == ["bob"]  # bob's, once
+
+
+def test_a_push_racing_a_workspace_root_put_loses_nothing(
+    start: Callable[..., Server], relay_to: Callable[[Server], Relay], tmp_path: pathlib.Path
+) -> None:
+    """Bob's agent stores a record from his workspace root after his push read the namespace
+    and before its sync: the server refuses that sync (the namespace changed), the push plans
+    again and keeps the new record."""
+    server = start()
+    relay = relay_to(server)
+    bob = Member(tmp_path, "bob", relay.url)
+    bob("put", TABS)
+    assert bob("push").startswith("Pushed 1 memories to namespace `bob`: 1 inserted")
+    bob("put", CHECKLIST)
+    relay.before["memories/sync"] = lambda: server.client.put(STAGING, "bob")  # bob#2
+    pushed = bob("push")
+    assert relay.statuses["memories/sync"] == [200, 409, 200]  # refused once, nothing changed
+    assert pushed == (
+        "Pushed 2 memories to namespace `bob`: 1 inserted, 0 replaced, 2 unchanged, 0 deleted.\n"
+        "  kept      bob#2, not seen by this store (`tactmem pull` fetches, `push --force`"
+        " deletes)\n"
+    )
+    assert team_of(server) == {
+        ("bob", 1, 1): TABS,
+        ("bob", 2, 1): STAGING,
+        ("bob", 3, 1): CHECKLIST,
+    }
+
+
+def test_a_push_killed_between_its_sync_and_its_bookkeeping_loses_nothing(
+    start: Callable[..., Server], relay_to: Callable[[Server], Relay], tmp_path: pathlib.Path
+) -> None:
+    """SIGKILL once the sync has landed and before the push wrote down its links: the next push
+    finds them (written as pending before the sync) where the namespace is as they say, so a
+    record replaced here since becomes the next version of the same team record, not a second
+    record beside the first."""
+    server = start()
+    relay = relay_to(server)
+    bob = Member(tmp_path, "bob", relay.url)
+    bob("put", TABS)
+    bob("put", CHECKLIST)
+    push = subprocess.Popen(bob.command("push"), cwd=bob.base / "home", stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    relay.after["memories/sync"] = lambda: os.kill(push.pid, signal.SIGKILL)
+    assert push.wait(120) == -signal.SIGKILL and push.communicate()[0] == b""
+    assert relay.statuses["memories/sync"] == [200]  # it landed
+    assert team_of(server) == {("bob", 1, 1): TABS, ("bob", 2, 1): CHECKLIST}
+    assert bob("put", "--replace", "1@1", TABS + " Always.") == "replaced #1 v2\n"
+    assert bob("push").startswith(
+        "Pushed 2 memories to namespace `bob`: 0 inserted, 1 replaced, 1 unchanged, 0 deleted.\n"
+    )
+    assert team_of(server) == {("bob", 1, 2): TABS + " Always.", ("bob", 2, 1): CHECKLIST}
+    assert bob("push").startswith(
+        "Pushed 2 memories to namespace `bob`: 0 inserted, 0 replaced, 2 unchanged, 0 deleted.\n"
+    )
