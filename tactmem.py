@@ -74,6 +74,7 @@ _SCHEMA_VERSION: Final = 1
 _PAGE_SIZE_BYTES: Final = 4096
 _BUSY_TIMEOUT_S: Final = 5.0
 _CACHE_SUFFIX: Final = "-cache"  # the side cache beside the database (`_load_cache`)
+_LINKS_SUFFIX: Final = "-team"  # the team links beside the database (`_TeamLinks`)
 _PREVIEW_BYTES: Final = 64
 _MAX_SQL_INT: Final = 2**63 - 1
 _BM25_K1: Final = 1.2
@@ -4601,7 +4602,8 @@ def _file_identity(path: str) -> tuple[int, int] | None:
 
 # The database file and the sidecars SQLite may keep beside it, as `stats` names them.
 _FILES: Final = {
-    "main": "", "journal": "-journal", "wal": "-wal", "shm": "-shm", "cache": _CACHE_SUFFIX
+    "main": "", "journal": "-journal", "wal": "-wal", "shm": "-shm", "cache": _CACHE_SUFFIX,
+    "team": _LINKS_SUFFIX,
 }  # fmt: skip
 
 
@@ -5845,7 +5847,6 @@ class RemoteStore:
 # and finds what a pull merged by its time and contents (`_pull_links`). One push or pull of
 # a store at a time: each holds an exclusive lock of the store's directory.
 
-_LINKS_SUFFIX: Final = "-team"
 _LINKS_BYTES: Final = 1 << 20  # some 4,000 links: far more than a store and a pull hold
 _LINKS_DAMAGED: Final = "team links file {} is damaged; move it away to push and pull without it"
 

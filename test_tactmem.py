@@ -7273,6 +7273,150 @@ def test_push_reconciles_local_writes_that_race_the_snapshot(
         stub.close()
 
 
+def exporting(*records: Any, headers: dict[str, str] | None = None) -> Any:
+    return (200, headers or {}, {"memories": list(records), "next_cursor": None})
+
+
+def test_push_to_a_server_without_a_guard_warns_when_its_counts_show_a_race(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server that sends no namespace facts (the original's) cannot refuse a sync that races
+    a write; the push then checks the sync's counts against its plan and says so."""
+    (tmp_path / "work").mkdir()
+    report = {"inserted": 1, "replaced": 0, "unchanged": 0, "deleted": 1}  # one more deleted
+    stub = StubServer({"session": SESSION, "memories/export": exporting(),
+                       "memories/sync": (200, {}, report)})  # fmt: skip
+    try:
+        config = team_config(tmp_path, stub.url, ["work"])
+        with Store(memory_db_path(config)) as local:
+            local.put("The first local conclusion.")
+        status, out, err = run_cli(capsys, "--config", str(config), "push")
+        assert status == 0 and out.startswith("Pushed 1 memories")
+        assert "counts differ from the plan" in err
+        ((_, headers, _),) = [r for r in stub.requests if r[0] == "memories/sync"]
+        assert tactmem._IF_CHANGES not in headers  # nothing to name
+    finally:
+        stub.close()
+
+
+def test_push_refuses_to_delete_what_the_server_does_not_show(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Records of the namespace the server holds and does not show (its row count says how
+    many), or that the client drops (secret-shaped): a sync would delete them, unseen."""
+    (tmp_path / "work").mkdir()
+    facts = dict(zip(tactmem._FACTS, ("5", "9", "3"), strict=True))
+    secret = wire(4, "The staging password = hunter22")
+    shown = exporting(wire(2, "Shown."), secret, headers=facts)
+    report = {"inserted": 0, "replaced": 0, "unchanged": 0, "deleted": 3}  # all, forced
+    stub = StubServer(
+        {"session": SESSION, "memories/sync": (200, {}, report), "memories/export": shown}
+    )
+    try:
+        config = team_config(tmp_path, stub.url, ["work"])
+        status, _, err = run_cli(capsys, "--config", str(config), "push")
+        assert status == 1 and "holds 2 records of `alice` that it does not show" in err
+        assert "hunter22" not in err and stub.hits["memories/sync"] == 0
+        status, out, _ = run_cli(capsys, "--config", str(config), "push", "--dry-run")
+        assert status == 1 and "  hidden    2 records of `alice`" in out
+        status, out, _ = run_cli(capsys, "--config", str(config), "push", "--force")
+        assert status == 0 and "deleted by --force" in out
+        ((_, headers, body),) = [r for r in stub.requests if r[0] == "memories/sync"]
+        assert headers[tactmem._IF_CHANGES] == "5" and body == {"memories": []}
+    finally:
+        stub.close()
+
+
+@pytest.mark.parametrize(
+    "facts", [("5", "0", "1"), ("x", "1", "1"), ("5", "1", "-1"), ("5", "1"), ("1e3", "1", "1")]
+)
+def test_push_refuses_namespace_facts_out_of_shape(
+    facts: tuple[str, ...], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "work").mkdir()
+    headers = dict(zip(tactmem._FACTS, facts, strict=False))
+    stub = StubServer({"session": SESSION, "memories/export": exporting(headers=headers)})
+    try:
+        config = team_config(tmp_path, stub.url, ["work"])
+        status, _, err = run_cli(capsys, "--config", str(config), "push")
+        assert status == 1 and "invalid" in err and stub.hits["memories/sync"] == 0
+    finally:
+        stub.close()
+
+
+def test_the_team_links_file_is_checked_and_shared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`<database>-team`: a damaged one, or one that is not a regular file, is an error that
+    sends nothing (never a store that has seen nothing); another server's links are kept; one
+    push or pull of a store at a time."""
+    import fcntl
+
+    (tmp_path / "work").mkdir()
+    report = {"inserted": 1, "replaced": 0, "unchanged": 0, "deleted": 0}
+    stub = StubServer({"session": SESSION, "memories/export": exporting(),
+                       "memories/sync": (200, {}, report)})  # fmt: skip
+    try:
+        config = team_config(tmp_path, stub.url, ["work"])
+        database = memory_db_path(config)
+        with Store(database) as local:
+            local.put("The first local conclusion.")
+        links = Path(database + "-team")
+        other = {"links": [[1, 1, "0" * 32, "bob", 3, 1, "0" * 32]], "pending": [],
+                 "pulled": None}  # fmt: skip
+        links.write_text(json.dumps({"tactmem-team": 1, "remotes": {"https://x/ bob": other}}))
+        assert run_cli(capsys, "--config", str(config), "push")[0] == 0
+        saved = json.loads(links.read_text())["remotes"]
+        assert saved["https://x/ bob"] == other and len(saved) == 2
+        assert stat.S_IMODE(links.stat().st_mode) == 0o600
+        for damage in (
+            b"{",
+            b'{"tactmem-team": 2, "remotes": {}}',
+            b"[" * 100_000,
+            b"x" * (2 << 20),
+        ):
+            links.write_bytes(damage)
+            status, _, err = run_cli(capsys, "--config", str(config), "push")
+            assert status == 1 and "team links file" in err and "damaged" in err
+        links.unlink()
+        os.mkfifo(links)  # no writer: never waited on
+        status, _, err = run_cli(capsys, "--config", str(config), "pull", "--all")
+        assert status == 1 and "damaged" in err
+        links.unlink()
+        assert stub.hits["memories/sync"] == 1
+        directory = os.open(os.path.dirname(database), os.O_RDONLY)
+        try:
+            fcntl.flock(directory, fcntl.LOCK_EX)
+            status, _, err = run_cli(capsys, "--config", str(config), "push")
+            assert status == 1 and "another push or pull" in err
+        finally:
+            os.close(directory)
+    finally:
+        stub.close()
+
+
+def test_a_pull_killed_before_its_bookkeeping_is_found_by_the_next_push(tmp_path: Path) -> None:
+    """A pull writes what it fetched (`pulled`) before its merge; the next load links the
+    records that merge inserted (by their time and contents), never one this store held."""
+    remote = tactmem.RemoteConfig("https://team.example/", "alice", ALICE_TOKEN, ())
+    database = str(tmp_path / "v1.sqlite3")
+    held = team_at(3, "Bob: staging listens on 5433.", namespace="bob")
+    new = team_at(4, "Bob: the deploy keys rotate on Fridays.", namespace="bob")
+    with Store(database) as local:
+        mine = local.put(held.content)  # alice wrote the same conclusion: the merge skips it
+        with tactmem._TeamLinks(database, remote) as file:
+            now = tactmem._now_ms()
+            pulled = [("bob", r.key.id, 1, tactmem._digest(r.content)) for r in (held, new)]
+            file.save([], pulled=(now, pulled))
+            local._merge_records([(1, held), (2, new)], False, now)  # then the process dies
+        with tactmem._TeamLinks(database, remote) as file:
+            links, pending = file.load(local.list())
+    assert pending == [] and [(lk.local_id, lk.namespace, lk.remote_id) for lk in links] == [
+        (2, "bob", 4)
+    ]
+    assert mine.key.id == 1
+
+
 def test_push_needs_a_writer_and_a_configured_remote(team: TeamServer, tmp_path: Path) -> None:
     (tmp_path / "work").mkdir()
     config = team_config(tmp_path, team.url, ["work"], namespace="reader",

@@ -1934,3 +1934,45 @@ def test_a_push_killed_between_its_sync_and_its_bookkeeping_loses_nothing(
     assert bob("push").startswith(
         "Pushed 2 memories to namespace `bob`: 0 inserted, 0 replaced, 2 unchanged, 0 deleted.\n"
     )
+
+
+def test_export_says_the_callers_namespace_facts_and_a_sync_can_require_them(
+    client: Client, backend: list[str]
+) -> None:
+    """The extension under `push`: export answers carry the caller's namespace's change
+    counter, next id and row count (hidden rows too); a sync naming a counter that moved is
+    409 `conflict` with nothing changed; without the header a sync is the original's."""
+
+    def facts(namespace: str) -> tuple[str, ...]:
+        connection = http.client.HTTPConnection(client.host, client.port, timeout=60)
+        body = json.dumps({"namespaces": [namespace], "cursor": None, "limit": 128})
+        connection.request("POST", "/v1/memories/export", body, {
+            "authorization": f"Bearer {TOKENS[namespace]}", "x-tact-memory-namespace": namespace,
+            "content-type": "application/json",
+        })  # fmt: skip
+        answer = connection.getresponse()
+        answer.read()
+        connection.close()
+        return tuple(answer.headers[name] for name in tactmem_server.FACT_HEADERS)
+
+    assert facts("alice") == ("0", "1", "0")  # a namespace never written
+    client.put("alice keeps the runbook in ops/")
+    client.put("bob rotates the keys", namespace="bob")
+    outside(backend, ("INSERT INTO memories (namespace, id, version, content, identity,"
+                      " created_at_ms, updated_at_ms) VALUES ('alice', 7, 1, '   ', 'x', 1, 1)",
+                      []))  # fmt: skip
+    changes, next_id, rows = facts("alice")
+    assert (next_id, rows) == ("2", "2") and len(client.export(["alice"])) == 1  # one hidden
+    snapshot = {"memories": [snapshot_record(1, 1, "alice's only record")]}
+    sync = "/v1/memories/sync"
+    stale = {tactmem_server.IF_CHANGES: str(int(changes) - 1)}
+    assert_error(client.call(sync, snapshot, headers=stale), 409, "conflict")
+    for bad in ("1.5", "x", "99999999999999999999", "--1"):
+        refused = client.call(sync, snapshot, headers={tactmem_server.IF_CHANGES: bad})
+        assert_error(refused, 400, "bad_request")
+    assert facts("alice") == (changes, next_id, rows)  # nothing changed
+    fresh = {tactmem_server.IF_CHANGES: changes}
+    report = client.ok(sync, snapshot, headers=fresh)
+    assert (report["replaced"], report["deleted"]) == (1, 1)  # the hidden row is gone too
+    assert facts("alice")[1:] == ("2", "1") and facts("alice")[0] != changes
+    assert client.ok(sync, snapshot)["unchanged"] == 1  # no header: the original's sync
