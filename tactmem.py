@@ -6786,6 +6786,8 @@ def _push_command(store: Store, arguments: argparse.Namespace, config: Config | 
     changed meanwhile. Exit 1 when the push is, or a dry run's would be, refused."""
     remote = _team(config)
     with RemoteStore.from_config(remote) as team, _TeamLinks(store.path, remote) as file:
+        if team.session() != "writer" and not arguments.dry_run:
+            raise RemoteDenied("remote memory credential is read-only; push needs a writer")
         for _ in range(3):
             records = store.list()
             links, pending = file.load(records)

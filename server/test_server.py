@@ -1847,7 +1847,10 @@ def test_push_never_rewrites_a_record_it_has_not_seen(
     bob("put", TABS)
     bob("put", CHECKLIST)
     before = server.client.export()
-    assert bob("push", "--dry-run") == (
+    dry = bob("push", "--dry-run")
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    assert f"```\n{dry}```\n" in readme  # "The push rule" shows this very plan
+    assert dry == (
         "Would push to namespace `bob`, planned against what the server holds now (read just"
         " now; nothing was sent):\n"
         "  insert    #1 as bob#2, #2 as bob#3\n  replace   none\n  delete    none\n"
