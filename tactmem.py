@@ -6791,7 +6791,10 @@ def _push_command(store: Store, arguments: argparse.Namespace, config: Config | 
         for _ in range(3):
             records = store.list()
             links, pending = file.load(records)
-            remote_records, dropped, facts = team.namespace_export()
+            try:
+                remote_records, dropped, facts = team.namespace_export()
+            except Conflict:
+                continue  # the namespace changed between the export's pages: read it again
             plan = _plan_push(
                 records, remote_records, links, pending, remote.namespace,
                 next_id=None if facts is None else facts.next_id, force=arguments.force,
