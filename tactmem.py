@@ -4266,6 +4266,40 @@ class _Push:
             return
         self.links.append(link)  # otherwise changed there, not here: the team's stands
 
+    def follow(self, mine: Sequence[Record], chosen: Mapping[int, _Link]) -> None:
+        """The records with a link: the changed ones first, so a kept one knows what was
+        replaced."""
+        linked = [record for record in mine if record.key.id in chosen]
+        changed = {r.key.id for r in linked if r.key.version != chosen[r.key.id].local_version}
+        seen = {link.remote_id for link in chosen.values() if self.as_seen(link)}
+        for record in linked:
+            if record.key.id in changed:
+                self.change(chosen[record.key.id], record)
+        for record in linked:
+            if record.key.id not in changed:
+                self.keep(chosen[record.key.id], record, seen)
+
+    def add_all(self, mine: Sequence[Record], linked: set[int]) -> None:
+        identities = {
+            normalized_identity(team.content): team.key.id
+            for team in self.there.values()
+            if team.key.id not in linked
+        }
+        for record in mine:
+            self.add(record, identities)
+
+    def unseen(self, linked: set[int]) -> tuple[int, ...]:
+        """The team records no link names: kept as they are, or deleted by `--force`."""
+        mentioned = linked | {
+            link.remote_id for link in self.links if link.namespace == self.namespace
+        }
+        unseen = sorted(set(self.there) - mentioned)
+        if not self.force:
+            return tuple(unseen)
+        self.report["deleted"] += unseen
+        self.result.update(dict.fromkeys(unseen))
+        return ()
+
     def add(self, mine: Record, identities: Mapping[str, int]) -> None:
         """A record with no link: the same conclusion the team holds unseen, or a new one."""
         team_id = identities.get(normalized_identity(mine.content))
@@ -4406,38 +4440,18 @@ def _plan_push(
     chosen, copies = _chosen_links(push, here, links, pending)
     push.links += copies
     foreign = {link.local_id for link in copies}
-    seen = {link.remote_id for link in chosen.values() if push.as_seen(link)}
     mine = [record for record in local if record.key.id not in foreign]
-    kept = [
-        r for r in mine if r.key.id in chosen and r.key.version == chosen[r.key.id].local_version
-    ]
-    for record in mine:  # the changed ones first, so a kept one knows what was replaced
-        if record.key.id in chosen and record.key.version != chosen[record.key.id].local_version:
-            push.change(chosen[record.key.id], record)
-    for record in kept:
-        push.keep(chosen[record.key.id], record, seen)
+    push.follow(mine, chosen)
     linked = {link.remote_id for link in chosen.values()}
-    identities = {
-        normalized_identity(team.content): team.key.id
-        for team in remote
-        if team.key.id not in linked
-    }
-    for record in mine:
-        if record.key.id not in chosen:
-            push.add(record, identities)
+    push.add_all([record for record in mine if record.key.id not in chosen], linked)
     claimed = {link.remote_id for local_id, link in chosen.items() if local_id in here}
     for local_id, link in chosen.items():
         if local_id not in here:
             push.forget(link, claimed)
-    mentioned = linked | {link.remote_id for link in push.links if link.namespace == namespace}
-    unseen = sorted(set(push.there) - mentioned)
-    if force:
-        push.report["deleted"] += unseen
-        push.result.update(dict.fromkeys(unseen))
-    push.allocate(
-        linked | {link.remote_id for link in links if link.namespace == namespace}, next_id
-    )
-    return push.plan(len(foreign), () if force else tuple(unseen))
+    unseen = push.unseen(linked)
+    own = {link.remote_id for link in links if link.namespace == namespace}
+    push.allocate(linked | own, next_id)
+    return push.plan(len(foreign), unseen)
 
 
 # ============================================================================ shell (I/O)
