@@ -1903,8 +1903,8 @@ def _plan_put(put: _Put, state: _PutState, limits: Limits) -> _PutPlan:
         if state.duplicate_of is not None:
             raise Duplicate()
         _check_insert(state.rows, state.content_bytes, put.size, limits)
-        if isinstance(state.next_id, (int, float)) and state.next_id > _MAX_SQL_INT:
-            raise DatabaseCapacity()  # SQLite makes the id after the largest one a float
+        if isinstance(state.next_id, (int, float)) and state.next_id >= _MAX_SQL_INT:
+            raise DatabaseCapacity()  # the allocator would hold the id after it: a float
         if type(state.next_id) is not int:  # a foreign writer's allocator: no id is safe
             raise StorageError("memory database's id allocator is not a whole number")
         key, created = Key(state.next_id, 1), put.now_ms
@@ -4195,6 +4195,12 @@ _UPDATE: Final = (
     " updated_at_ms = ?, last_scanned_at_ms = ?, scan_count = ?, last_used_at_ms = ?,"
     " use_count = ?, probation_until_ms = ? WHERE id = ?"
 )
+# A scan's telemetry: `scan_count` saturates at the largest integer, as `_plan_read`'s
+# `use_count` does (SQLite's `+` would make it a float, which `_shown` hides).
+_MARK_SCANNED: Final = (
+    "UPDATE memories SET last_scanned_at_ms = ?,"
+    f" scan_count = MIN(scan_count, {_MAX_SQL_INT - 1}) + 1 WHERE id = ?"
+)
 _SQL_CHUNK: Final = 500  # ids bound per `IN (...)`, under every SQLite variable limit
 # What a merge and a restore read for their `_Batch` besides `_TOTALS` and `_NEXT_ID`.
 _IDENTITIES: Final = "SELECT normalized_identity FROM memories"
@@ -4610,11 +4616,7 @@ class Store:
             if not self._corpus.confirm(plan.scanned):
                 self._forget_the_cache(connection)
                 plan = _plan_scan(self._corpus, terms, limit, self.limits, floor)
-            connection.executemany(
-                "UPDATE memories SET last_scanned_at_ms = ?, scan_count = scan_count + 1"
-                " WHERE id = ?",
-                [(now, doc_id) for doc_id in plan.scanned],
-            )
+            connection.executemany(_MARK_SCANNED, [(now, doc_id) for doc_id in plan.scanned])
         return plan.result
 
     def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:

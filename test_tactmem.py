@@ -1543,10 +1543,13 @@ def test_plan_put_refuses_an_insert_in_the_reference_order() -> None:
         (put_state(rows=4, content_bytes=64), RecordCapacity),  # then rows
         (put_state(rows=3, content_bytes=53), ContentCapacity),  # then bytes: 53 + 12 > 64
         (put_state(next_id=2**63), DatabaseCapacity),  # then ids left
+        # The allocator keeps the id after the one handed out, so 2**63 - 1 is never handed
+        # out (issue 25: the allocator was left holding a float)
+        (put_state(next_id=2**63 - 1), DatabaseCapacity),
     ]:
         with pytest.raises(error):
             plan_put(state)
-    assert plan_put(put_state(next_id=2**63 - 1)).record.key == Key(2**63 - 1, 1)
+    assert plan_put(put_state(next_id=2**63 - 2)).record.key == Key(2**63 - 2, 1)
 
 
 def test_plan_put_replaces_in_place_with_fresh_telemetry() -> None:
@@ -2422,6 +2425,36 @@ def test_the_largest_lines_fit_the_size_bound() -> None:
     full = tactmem._export_file(rows, most, limits, least, tactmem.__version__).data
     assert len(full) <= tactmem._export_bytes(limits)
     assert tactmem._parse_export(full, limits).records[2][1] == rows[2]
+
+
+def test_every_counter_and_id_stays_a_64_bit_integer_at_its_edge(db: Path) -> None:
+    """Issue 25: a restored record whose counters are at 2**63 - 1 keeps them there (a scan
+    used to make `scan_count` a float, which hid the record), and an allocator at 2**63 - 1
+    hands out no id (an insert there used to leave a float in it, and the store could no
+    longer export). Every column tactmem writes stays an integer, and the store exports."""
+    edge = Record(Key(MOST - 1, MOST), "worn to the edge of every counter", -(2**63), MOST,
+                  MOST, MOST, MOST, MOST, MOST)  # fmt: skip
+    store = Store(db)
+    assert store.restore(holding(tactmem._to_json(edge), next_id=MOST)) == 1
+    (card,) = store.scan("worn edge counter", now_ms=1).candidates
+    assert card.key == edge.key
+    (read,) = store.read([MOST - 1], now_ms=2)
+    assert (read.scan_count, read.use_count) == (MOST, MOST)
+    assert store.scan("worn edge counter", now_ms=3).candidates[0].key == edge.key  # still shown
+    with pytest.raises(DatabaseCapacity):
+        store.put("no id is left for this one", now_ms=4)
+    with pytest.raises(DatabaseCapacity, match="export line 2"):
+        store.merge(holding(RECORD), now_ms=4)
+    with pytest.raises(Conflict):  # no version is left above the largest
+        store.put("a replacement", replace=edge.key, now_ms=4)
+    with raw(db) as connection:
+        kinds = connection.execute(
+            "SELECT typeof(id), typeof(version), typeof(scan_count), typeof(use_count),"
+            " typeof(created_at_ms), typeof(last_scanned_at_ms), typeof(last_used_at_ms),"
+            " (SELECT typeof(next_id) FROM memory_metadata) FROM memories"
+        ).fetchall()
+    assert kinds == [("integer",) * 8]
+    assert store.export(now_ms=5).next_id == MOST
 
 
 MANIFEST: dict[str, Any] = {
