@@ -1009,10 +1009,10 @@ class _Corpus:
             self.postings[term][doc_id] = count
 
     def confirm(self, doc_ids: Iterable[int]) -> bool:
-        """Check the texts of these documents that came from a cache for secrets; False if
-        one is secret-shaped (the cache lied: the caller starts over without it)."""
+        """Check the texts of these documents that came from a cache (`_screened`); False if
+        one is secret-shaped or holds a NUL (the cache lied: the caller starts over without it)."""
         for doc_id in self.unconfirmed.intersection(doc_ids):
-            if find_secret(self.contents[doc_id]) is not None:
+            if _screened(self.contents[doc_id]):
                 return False
             self.unconfirmed.discard(doc_id)
         return True
@@ -1106,8 +1106,9 @@ def _derive(
     todo = [i for i in range(len(texts)) if i not in cached]
     counted = {i: Counter(tokenize(texts[i])) for i in todo}
     secret = _secret_rows([texts[i] for i in todo], set().union(*counted.values()))
-    derived: dict[int, _Derived] = {  # a hidden text's terms are kept nowhere
-        i: (True, {}) if n in secret else (False, counted[i]) for n, i in enumerate(todo)
+    derived: dict[int, _Derived] = {  # `_screened` (a hidden text's terms are kept nowhere)
+        i: (True, {}) if n in secret or _unstorable(texts[i]) else (False, counted[i])
+        for n, i in enumerate(todo)
     }
     return [derived[i] if i in derived else known[digests[i]] for i in range(len(texts))], cached
 
@@ -1678,8 +1679,13 @@ def _hidden(content: object) -> bool:
 
 def _screened(text: str) -> bool:
     """Text no agent is shown, stored or sent it (a foreign store's, a server's answer): it is
-    secret-shaped, or holds a NUL character, which no backend stores (PostgreSQL text cannot)."""
-    return "\0" in text or find_secret(text) is not None
+    secret-shaped, or `_unstorable`."""
+    return _unstorable(text) or find_secret(text) is not None
+
+
+def _unstorable(text: str) -> bool:
+    """Whether text holds a NUL character, which no backend stores (PostgreSQL text cannot)."""
+    return "\0" in text
 
 
 # The metadata a shown row must hold as integers (besides its version, at least 1, and the two
@@ -1688,11 +1694,17 @@ _COUNT_FIELDS: Final = ("created_at_ms", "updated_at_ms", "scan_count", "use_cou
 _TIME_FIELDS: Final = ("last_scanned_at_ms", "last_used_at_ms", "probation_until_ms")
 
 
+def _addressable(doc_id: int) -> bool:
+    """Whether an id can name a row at all: a positive 64-bit SQL integer."""
+    return 0 < doc_id <= _MAX_SQL_INT
+
+
 def _shown(record: Record) -> bool:
-    """Whether an agent or the browser may see a row: text that is not secret-shaped, and
-    integer metadata (an older or foreign writer could have stored anything)."""
+    """Whether an agent or the browser may see a row: an id a read can name, text that is not
+    `_hidden`, and integer metadata (an older or foreign writer could have stored anything)."""
     return (
-        not _hidden(record.content)
+        _addressable(record.key.id)
+        and not _hidden(record.content)
         and type(record.key.version) is int
         and all(type(getattr(record, name)) is int for name in _COUNT_FIELDS)
         and all(type(getattr(record, name)) in (int, type(None)) for name in _TIME_FIELDS)
@@ -1717,11 +1729,6 @@ def _utf8_length(text: str, what: str) -> int:
 # Every rule of a store, over values the shell reads in the operation's one transaction: a
 # backend reads what a plan needs, asks here, writes the plan. Plans and snapshots are frozen
 # NamedTuples (a fraction of an attrs class's cost to make, at import and per operation).
-
-
-def _addressable(doc_id: int) -> bool:
-    """Whether an id can name a row at all: a positive 64-bit SQL integer."""
-    return 0 < doc_id <= _MAX_SQL_INT
 
 
 def _expired(use_count: int, probation_until_ms: int | None, now_ms: int) -> bool:
@@ -1867,7 +1874,7 @@ def _check_put(content: str, replace: Key | None, limits: Limits, now_ms: int) -
     size = _utf8_length(content, "content")
     if size > limits.content_bytes:
         raise ContentTooLarge(limits.content_bytes)
-    if "\0" in content:  # PostgreSQL text cannot hold one, so no backend stores it
+    if _unstorable(content):
         raise InvalidRequest("memory content must not hold a NUL character")
     identity = normalized_identity(content)
     rule = find_secret(content)
@@ -2029,11 +2036,12 @@ class Backend(Protocol):
     before any I/O (`_scan_terms`, `_check_min_coverage`, `_check_put`, `_read_ids`); then
     prune what `_expired` names (never in `delete`), read what the plan needs, ask
     `_plan_scan`, `_plan_read`, `_plan_put` or `_check_version` (the delete plan), and write
-    exactly the plan. Rows that `_hidden` (read and list: `_shown`) rejects count against
-    every bound but never reach an agent. Every failure is a `TactmemError` and changes
-    nothing. A backend that offers export, merge and restore (as `Store` does) writes files
-    with `_export_file` and takes them with `_parse_export`, then plans the whole batch in one
-    transaction with `_plan_merge` or `_plan_restore`."""
+    exactly the plan. Rows that `_shown` rejects count against every bound but never reach
+    an agent, not as a scan card either (the corpus hides the texts `_hidden` names). Every
+    failure is a `TactmemError` and changes nothing. A backend that offers export, merge and
+    restore (as `Store` does) writes files with `_export_file` and takes them with
+    `_parse_export`, then plans the whole batch in one transaction with `_plan_merge` or
+    `_plan_restore`."""
 
     @property
     def limits(self) -> Limits: ...
@@ -4170,11 +4178,13 @@ _PUT_READS: Final = (
     "SELECT version, COALESCE(length(CAST(content AS BLOB)), 0), created_at_ms FROM memories"
     " WHERE id = ?",
 )
-# What ranking reads: the content only of rows whose metadata `_shown` would accept (NULL,
-# which `_hidden` hides, for the rest), so a scan never offers a card a read would not return.
+# What ranking reads: the content only of rows whose id and metadata `_shown` would accept
+# (NULL, which `_hidden` hides, for the rest; the corpus hides the texts `_hidden` names), so
+# a scan never offers a card a read would not return.
 _CORPUS_ROWS: Final = "SELECT id, version, CASE WHEN {} THEN content END FROM memories".format(
     " AND ".join(
-        [f"typeof({name}) = 'integer'" for name in ("version", *_COUNT_FIELDS)]
+        ["id > 0"]
+        + [f"typeof({name}) = 'integer'" for name in ("version", *_COUNT_FIELDS)]
         + [f"typeof({name}) IN ('integer', 'null')" for name in _TIME_FIELDS]
         + ["version > 0", "scan_count >= 0", "use_count >= 0"]
     )

@@ -810,12 +810,13 @@ def test_side_cache_header_names_the_build_that_was_imported(tmp_path: Path, db:
     assert not cache.exists() or not cache.read_text().startswith(new.stdout)
 
 
-def test_a_lying_side_cache_never_shows_a_secret(db: Path) -> None:
-    """A forged entry that calls a secret-shaped row clean: the card is checked, the cache
-    thrown away and the ranking done again without it."""
+@pytest.mark.parametrize("hidden", ["release password=hunter2hunter2", "release\0notes"])
+def test_a_lying_side_cache_never_shows_a_hidden_row(db: Path, hidden: str) -> None:
+    """A forged entry that calls a secret-shaped row (or, issue 25, one holding a NUL) clean:
+    the card is checked, the cache thrown away and the ranking done again without it."""
     with Store(db) as store:
         store.put(CACHE_TEXTS[0], now_ms=0)
-        secret = insert_raw(db, "release password=hunter2hunter2")
+        secret = insert_raw(db, hidden)
         assert [c.key.id for c in store.scan("release", now_ms=1).candidates] == [1]
     header, *entries = cache_lines(db)
     assert [entry[1:] for entry in entries] == [[False, entries[0][2]], [True, {}]]  # no terms
@@ -5795,6 +5796,34 @@ def test_rows_of_the_wrong_type_are_hidden_never_a_traceback(db: Path) -> None:
         assert_output_shape(answer)
     assert [m["key"]["id"] for m in answers[1]["memories"]] == [4, 7]
     assert answers[3] == {"operation": "delete", "id": 2}  # a hidden row can still be deleted
+
+
+# Rows a foreign writer could leave that an agent must never see, beyond `malformed_rows`'.
+HIDDEN_ROWS = {
+    "a NUL character": "UPDATE memories SET content = 'planted' || char(0) || 'row' WHERE id = 1",
+    "id 0": "UPDATE memories SET id = 0 WHERE id = 1",
+    "a negative id": "UPDATE memories SET id = -3 WHERE id = 1",
+}
+
+
+@pytest.mark.parametrize("kind", HIDDEN_ROWS)
+def test_scan_offers_exactly_what_read_returns(db: Path, tmp_path: Path, kind: str) -> None:
+    """Issue 25: a row that read, list and export hide is never a scan card either (scan
+    offered a row holding a NUL, and rows at ids no read can name), and every export restores."""
+    with Store(db) as store:
+        store.put("planted row about sqlite", now_ms=0)
+        store.put("a sound row about sqlite", now_ms=0)
+    with raw(db) as connection:
+        connection.execute(HIDDEN_ROWS[kind])
+    with Store(db) as store:
+        offered = [card.key for card in store.scan("planted row sqlite", now_ms=1).candidates]
+        returned = [record.key for record in store.read([key.id for key in offered], now_ms=1)]
+        assert offered == returned == [Key(2, 1)]
+        assert [record.key for record in store.list(now_ms=1)] == [Key(2, 1)]
+        export = store.export(now_ms=1)
+        assert (export.records, export.hidden) == (1, 1)
+        assert store._stats(now_ms=1)["hidden_records"] == 1
+    assert Store(tmp_path / "restored.sqlite3").restore(export.data) == 1
 
 
 @contextlib.contextmanager
