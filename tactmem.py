@@ -4434,11 +4434,25 @@ def _open_to_others(path: str) -> bool:
         return False
 
 
-def _prepare_file(path: str) -> None:
+# The tables of a file, and those of a new store (`_remove_if_new`).
+_TABLES: Final = "SELECT name FROM sqlite_schema WHERE type = 'table'"
+_MEMORY_TABLES: Final = frozenset(("memories", "memory_metadata"))
+
+
+class _Made(NamedTuple):
+    """What `_prepare_file` created: the directories, outermost first, and the file (None when
+    it was there already). A first use that fails takes them away again (`_unmake`)."""
+
+    directories: list[str]
+    file: str | None = None
+
+
+def _prepare_file(path: str) -> _Made:
     """Create every missing directory on the way 0700 and a missing database file 0600,
     whatever the umask; a dangling symlink gets its target created 0600. Anything but a
     regular file at the path (a directory, a device, a FIFO) is refused before SQLite opens
-    it, so no journal is ever made beside `/dev/null`."""
+    it, so no journal is ever made beside `/dev/null`. A failure leaves nothing it made."""
+    made = _Made([])
     try:
         missing, parent = [], os.path.dirname(os.path.abspath(path))
         while not os.path.isdir(parent) and parent != os.path.dirname(parent):
@@ -4447,16 +4461,52 @@ def _prepare_file(path: str) -> None:
         for directory in reversed(missing):
             with contextlib.suppress(FileExistsError):  # another process got there first
                 os.mkdir(directory, 0o700)
+                made.directories.append(directory)
                 os.chmod(directory, 0o700)  # exactly 0700, not what the umask left of it
         dangling = os.path.islink(path) and not os.path.exists(path)
-        only_new = 0 if dangling else os.O_EXCL  # an existing file is left alone
-        with contextlib.suppress(FileExistsError):
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | only_new, 0o600))
+        target = os.path.realpath(path) if dangling else path
+        with contextlib.suppress(FileExistsError):  # an existing file is left alone
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            made = made._replace(file=target)
         regular = stat.S_ISREG(os.stat(path).st_mode)
     except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in the path
+        _unmake(made, _DEFAULT_LIMITS)
         raise StorageError("could not prepare the memory directory") from None
     if not regular:
         raise StorageError("could not open the memory database file")
+    return made
+
+
+def _unmake(made: _Made, limits: Limits) -> None:
+    """Take away what `_prepare_file` made for a first use that failed: the file, unless it
+    holds something by now (`_remove_if_new`), then each directory made that is still empty."""
+    if made.file is not None and not _remove_if_new(made.file, limits):
+        return  # another process uses it: it and its directories stay
+    for directory in reversed(made.directories):
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+def _remove_if_new(path: str, limits: Limits) -> bool:
+    """Remove a database file that holds no schema, or only tactmem's empty one with no id
+    handed out, under the write lock, so that no other process has written to it (one that
+    opened it meanwhile gets SQLite's read-only error, never a write into a removed file).
+    Whether it is gone; a file that cannot be checked stays."""
+    try:
+        connection = _open(path, limits, isolation_level=None)
+    except sqlite3.Error:
+        return False
+    try:
+        _begin_immediate(connection)
+        tables = {name for (name,) in connection.execute(_TABLES)}
+        if tables and (tables != _MEMORY_TABLES or _read_batch(connection) != _NEW_STORE):
+            return False
+        os.unlink(path)
+        return True
+    except (sqlite3.Error, OSError):
+        return False
+    finally:
+        connection.close()
 
 
 def _schema_version(connection: sqlite3.Connection) -> int:
@@ -4588,6 +4638,7 @@ class Store:
         self._seen_version = -1
         self._known: dict[str, _Derived] | None = None  # the side cache's entries, once loaded
         self._cache_lines = 0
+        self._made: _Made | None = None  # what this store's first use made, until it commits
 
     def __repr__(self) -> str:
         return f"Store({self.path!r}, limits={self.limits!r})"
@@ -4601,10 +4652,13 @@ class Store:
     def close(self) -> None:
         """Close the connection; the next operation opens it again."""
         with self._lock:
-            if self._connection is not None:
-                self._connection.close()
-                self._connection = None
-            self._stale = True
+            self._close_connection()
+
+    def _close_connection(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+        self._stale = True
 
     # -------------------------------------------------------------------- operations
 
@@ -4791,26 +4845,27 @@ class Store:
         back."""
         with self._lock:
             try:
-                connection = self._connect()
-                _begin_immediate(connection)
-                try:
-                    self._check_file(connection)  # another process may have changed the file
-                    (data_version,) = connection.execute("PRAGMA data_version").fetchone()
-                    if data_version != self._seen_version:  # another connection committed
+                with self._as_it_was(keep=commit):
+                    connection = self._connect()
+                    _begin_immediate(connection)
+                    try:
+                        self._check_file(connection)  # another process may have changed it
+                        (data_version,) = connection.execute("PRAGMA data_version").fetchone()
+                        if data_version != self._seen_version:  # another connection committed
+                            self._totals = None
+                        if prune_at is not None:
+                            self._prune(connection, prune_at)
+                        yield connection
+                        connection.execute("COMMIT" if commit else "ROLLBACK")
+                        self._seen_version = data_version  # a connection's own commits keep it
+                        if not commit:  # a prune rolled back too
+                            self._totals = None
+                    except BaseException:
+                        self._stale = True
                         self._totals = None
-                    if prune_at is not None:
-                        self._prune(connection, prune_at)
-                    yield connection
-                    connection.execute("COMMIT" if commit else "ROLLBACK")
-                    self._seen_version = data_version  # a connection's own commits keep it
-                    if not commit:  # a prune rolled back too
-                        self._totals = None
-                except BaseException:
-                    self._stale = True
-                    self._totals = None
-                    if connection.in_transaction:  # SQLITE_FULL may have rolled back already
-                        connection.execute("ROLLBACK")
-                    raise
+                        if connection.in_transaction:  # SQLITE_FULL may have rolled back
+                            connection.execute("ROLLBACK")
+                        raise
             except UnicodeDecodeError:  # SQLite's message quoting a schema name that is not UTF-8
                 raise StorageError(_DAMAGED) from None
             except sqlite3.Error as error:
@@ -4818,6 +4873,27 @@ class Store:
                 if isinstance(failure, DatabaseCapacity) and self._disk_is_tighter():
                     failure = DiskFull()
                 raise failure from None
+
+    @contextlib.contextmanager
+    def _as_it_was(self, *, keep: bool) -> Iterator[None]:
+        """Run an operation. When the file did not exist before it, the file and directories
+        it made stay only if it succeeds and is kept (`keep`: not a dry run); otherwise they
+        are taken away (`_unmake`), so a failed first use leaves the file system as it was."""
+        try:
+            yield
+        except BaseException:
+            self._unmake()
+            raise
+        if keep:
+            self._made = None
+        else:
+            self._unmake()
+
+    def _unmake(self) -> None:
+        made, self._made = self._made, None
+        if made is not None:
+            self._close_connection()
+            _unmake(made, self.limits)
 
     def _disk_is_tighter(self) -> bool:
         """Whether the file system has less room than the page budget still allows: then it,
@@ -4836,7 +4912,9 @@ class Store:
                 return self._connection
             self._connection.close()
             self._connection = None
-        _prepare_file(self.path)
+        made = _prepare_file(self.path)
+        if made.directories or made.file:  # a first use: undone if it fails (`_as_it_was`)
+            self._made = made
         _inspect(self.path, self.limits)
         connection = _open(self.path, self.limits, isolation_level=None, check_same_thread=False)
         self._schema_cookie = -1  # a new connection, perhaps to another file: check it all

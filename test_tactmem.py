@@ -2361,6 +2361,80 @@ def test_an_import_past_the_page_budget_writes_nothing(tmp_path: Path) -> None:
     assert [r.content for r in small.list(now_ms=2)] == ["already here"]
 
 
+def tree(root: Path) -> list[str]:
+    """Every path under `root`, relative to it: what a failed first use must leave as it was."""
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*"))
+
+
+FILLER = [Record(Key(i, 1), f"{i} " + "filler words " * 70, 1, 1, None, 0, None, 0, None)
+          for i in range(1, 61)]  # fmt: skip
+SMALL_PAGES = Limits(database_bytes=8 * 4096)
+# The first use of a store that fails, on every path a failure can take: refused before the
+# store is opened, while it is planned, while it is written, while the file is made.
+FAILED_FIRST_USES: dict[str, Callable[[Path], object]] = {
+    "restore of a secret": lambda db: Store(db).restore(
+        holding(RECORD | {"content": "password=hunter2hunter2"})
+    ),
+    "restore of a duplicate": lambda db: Store(db).restore(
+        holding(RECORD, RECORD | {"key": {"id": 2, "version": 1}, "content": "A  FACT"}, next_id=3)
+    ),
+    "restore of a hostile file": lambda db: Store(db).restore(b"not an export\n"),
+    "import of a secret": lambda db: Store(db).merge(
+        holding(RECORD | {"content": "password=hunter2hunter2"})
+    ),
+    "import past the record bound": lambda db: Store(db, limits=TINY).merge(
+        tactmem._export_file(
+            [attrs.evolve(record, content=f"fact {record.key.id}") for record in FILLER[:5]],
+            6,
+            TINY,
+            1,
+            tactmem.__version__,
+        ).data
+    ),
+    "restore past the page budget": lambda db: Store(db, limits=SMALL_PAGES).restore(
+        tactmem._export_file(FILLER, 61, Limits(), 1, tactmem.__version__).data
+    ),
+    "import past the page budget": lambda db: Store(db, limits=SMALL_PAGES).merge(
+        tactmem._export_file(FILLER, 61, Limits(), 1, tactmem.__version__).data
+    ),
+    "a put of a secret": lambda db: Store(db).put("password=hunter2hunter2"),
+    "a page budget smaller than the schema": lambda db: Store(
+        db, limits=Limits(database_bytes=4096)
+    ).list(),
+    "a name no file can have": lambda db: Store(db.parent / ("x" * 300)).list(),
+    "a name holding a NUL": lambda db: Store(db.parent / "bad\0name").list(),
+}
+
+
+@pytest.mark.parametrize("failure", FAILED_FIRST_USES)
+def test_a_failed_first_use_leaves_the_file_system_as_it_was(tmp_path: Path, failure: str) -> None:
+    """Issue 25: a refused restore or import created the database file (and its directories);
+    whatever fails, no file, directory, journal or cache is left behind."""
+    db = tmp_path / "new" / "deeper" / "v1.sqlite3"
+    with pytest.raises(TactmemError):
+        FAILED_FIRST_USES[failure](db)
+    assert tree(tmp_path) == []
+    with Store(db) as store:  # and the store is made as usual on the next use
+        store.put("a first conclusion")
+    assert tree(tmp_path) == ["new", "new/deeper", "new/deeper/v1.sqlite3"]
+
+
+def test_a_failed_command_leaves_the_file_system_as_it_was(tmp_path: Path) -> None:
+    """The same through the command line: a refused restore or import, a put refused as a
+    secret, and a `--db` no file can have each print one line and leave nothing behind."""
+    backup = tmp_path / "backup.jsonl"
+    backup.write_bytes(holding(RECORD | {"content": "password=hunter2hunter2"}))
+    db = tmp_path / "new" / "v1.sqlite3"
+    for argv in (
+        ("--db", str(db), "restore", str(backup)),
+        ("--db", str(db), "import", str(backup)),
+        ("--db", str(db), "put", "password=hunter2hunter2"),
+        ("--db", str(db.parent / ("x" * 300)), "scan", "anything"),
+    ):
+        assert_one_line_refusal(cli(*argv), "")
+        assert tree(tmp_path) == ["backup.jsonl"], argv
+
+
 def test_import_skips_a_record_an_earlier_line_holds() -> None:
     lines = [
         {"key": {"id": i, "version": 1}, "content": text, "created_at_ms": 0,
