@@ -5254,7 +5254,8 @@ def _in_workspace(remote: RemoteConfig, workspace: str) -> bool:
 
 # ------------------------------------------------------------------------ the remote store
 # `RemoteStore` speaks protocol v1 with the original client's transport rules: 750 ms to
-# connect, 2 s per request, 3 attempts 100 and 250 ms apart, `Retry-After` honoured up to 2 s,
+# connect, 2 s per request (a deadline from the connect to the last byte: `_Deadline`), 3
+# attempts 100 and 250 ms apart, `Retry-After` honoured up to 2 s,
 # answers of at most 8 MiB. A 429, 502, 503 or 504 is retried only by operations that are safe
 # to repeat (session, list, delete, sync, export); scan, read and put retry only a connection
 # that failed to open. One store sends one request at a time, for the bookmark.
@@ -5293,6 +5294,43 @@ def _check_endpoint(endpoint: str) -> str:
 
 class _NotConnected(Exception):
     """The connection could not be opened: nothing was sent, so any request may try again."""
+
+
+class _Deadline:
+    """A request's deadline as a watchdog: `seconds` from now it shuts down the socket it
+    watches, so that no connect, send or receive outlives it. (A socket's timeout bounds
+    each call alone, which a peer sending a byte at a time never trips; shutting the socket
+    down ends whatever call is blocked on it, TLS or not.)"""
+
+    def __init__(self, seconds: float) -> None:
+        self.expired = False
+        self._lock = threading.Lock()
+        self._socket: Any = None
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def watch(self, sock: Any) -> None:
+        """Watch this socket from now on (the last one given), shut at once if late."""
+        with self._lock:
+            self._socket = sock
+            if self.expired:
+                self._shut()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            self._shut()
+
+    def _shut(self) -> None:
+        import socket
+
+        if self._socket is not None:  # the plain socket's call, for a TLS socket too
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(self._socket, socket.SHUT_RDWR)
 
 
 class RemoteStore:
@@ -5487,23 +5525,98 @@ class RemoteStore:
 
     def _exchange(self, route: str, data: bytes | None) -> tuple[int, float | None, bytes]:
         """Send one request on a new connection: the status, its `Retry-After` in seconds
-        (None if absent or not a number) and the body (at most `_ANSWER_BYTES`)."""
+        (None if absent or not a number) and the body (at most `_ANSWER_BYTES`), all within
+        the request's deadline, from the first connect to the last byte (`_Deadline`)."""
+        import http.client
+
+        deadline = _Deadline(self._timeouts[1])
+        try:
+            connection = self._connection(deadline)
+            try:
+                answer = self._send(connection, route, data)
+            except (OSError, http.client.HTTPException):
+                answer = None
+            finally:
+                connection.close()
+        finally:
+            deadline.cancel()
+        if answer is None or deadline.expired:  # an answer the watchdog cut short is none
+            raise RemoteUnavailable("remote memory request failed or timed out")
+        return answer
+
+    def _connection(self, deadline: _Deadline) -> Any:
+        """An HTTP connection over a socket opened under `deadline` (TLS verified for https):
+        each address tried for the connect timeout, until one answers or the deadline ends."""
         import http.client
         import ssl
         from urllib.parse import urlsplit
 
         parts = urlsplit(self.endpoint)
-        connect, total = self._timeouts
-        deadline = time.monotonic() + total
-        if parts.scheme == "https":
+        host, https = parts.hostname or "", parts.scheme == "https"
+        port = parts.port or (443 if https else 80)
+        try:
+            sock = self._socket(host, port, deadline)
+        except (OSError, UnicodeError):  # UnicodeError: a host name IDNA cannot encode
+            raise _NotConnected() from None
+        if https:
+            context = ssl.create_default_context()
             connection: http.client.HTTPConnection = http.client.HTTPSConnection(
-                parts.hostname or "", parts.port, timeout=connect,
-                context=ssl.create_default_context(),
-            )  # fmt: skip
-        else:
-            connection = http.client.HTTPConnection(
-                parts.hostname or "", parts.port, timeout=connect
+                host, port, context=context
             )
+            sock = self._tls(sock, host, context, deadline)
+        else:
+            connection = http.client.HTTPConnection(host, port)
+        sock.settimeout(self._timeouts[1])
+        connection.sock = sock
+        return connection
+
+    @staticmethod
+    def _tls(sock: Any, host: str, context: Any, deadline: _Deadline) -> Any:
+        """`sock` after a verified TLS handshake with `host`, watched by `deadline`."""
+        import ssl
+
+        try:
+            sock = context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+            deadline.watch(sock)
+            sock.do_handshake()
+        except ssl.SSLCertVerificationError:
+            sock.close()
+            raise RemoteUnavailable(
+                "remote memory server's TLS certificate could not be verified"
+            ) from None
+        except OSError:
+            sock.close()
+            raise _NotConnected() from None
+        return sock
+
+    def _socket(self, host: str, port: int, deadline: _Deadline) -> Any:
+        """A connected TCP socket under `deadline` (`socket.create_connection`, watched)."""
+        import socket
+
+        failure: OSError = ConnectionError("no address")
+        for family, kind, protocol, _, address in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM
+        ):
+            sock = socket.socket(family, kind, protocol)
+            deadline.watch(sock)
+            sock.settimeout(self._timeouts[0])
+            try:
+                sock.connect(address)
+            except OSError as error:
+                sock.close()
+                failure = error
+                if deadline.expired:
+                    break
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        raise failure
+
+    def _send(
+        self, connection: Any, route: str, data: bytes | None
+    ) -> tuple[int, float | None, bytes]:
+        from urllib.parse import urlsplit
+
         headers = {
             "authorization": f"Bearer {self._token}",
             "x-tact-memory-namespace": self.namespace,
@@ -5511,45 +5624,24 @@ class RemoteStore:
             **({"content-type": "application/json"} if data is not None else {}),
             **({_BOOKMARK: self._bookmark} if self._bookmark else {}),
         }
-        try:
-            try:
-                connection.connect()
-            except ssl.SSLCertVerificationError:
-                raise RemoteUnavailable(
-                    "remote memory server's TLS certificate could not be verified"
-                ) from None
-            except OSError:
-                raise _NotConnected() from None
-            try:
-                sock = connection.sock
-                assert sock is not None
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                path = parts.path.rstrip("/") + "/v1/" + route
-                connection.request("GET" if data is None else "POST", path, data, headers)
-                response = connection.getresponse()
-                answer = self._body(response, sock, deadline)
-            except (OSError, http.client.HTTPException):
-                raise RemoteUnavailable("remote memory request failed or timed out") from None
-            if 200 <= response.status < 300:
-                self._keep_bookmark(response.headers.get_all(_BOOKMARK) or [])
-            retry = response.headers.get("retry-after", "")
-            seconds = float(retry) if retry.isascii() and retry.isdigit() else None  # not `²`
-            return response.status, seconds, answer
-        finally:
-            connection.close()
+        path = urlsplit(self.endpoint).path.rstrip("/") + "/v1/" + route
+        connection.request("GET" if data is None else "POST", path, data, headers)
+        response = connection.getresponse()
+        answer = self._body(response)
+        if 200 <= response.status < 300:
+            self._keep_bookmark(response.headers.get_all(_BOOKMARK) or [])
+        retry = response.headers.get("retry-after", "")
+        seconds = float(retry) if retry.isascii() and retry.isdigit() else None  # not `²`
+        return response.status, seconds, answer
 
     @staticmethod
-    def _body(response: Any, sock: Any, deadline: float) -> bytes:
+    def _body(response: Any) -> bytes:
         chunks, size = [], 0
         while chunk := response.read1(65_536):
             size += len(chunk)
             if size > _ANSWER_BYTES:
                 raise RemoteInvalid("remote memory server's answer is larger than 8 MiB")
             chunks.append(chunk)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError()
-            sock.settimeout(left)
         return b"".join(chunks)
 
     def _keep_bookmark(self, values: Sequence[str]) -> None:

@@ -6275,13 +6275,16 @@ def test_memory_tool_over_a_remote_store(team: TeamServer) -> None:
 class StubServer:
     """A tiny HTTP server on 127.0.0.1 that answers each route as a test says: (status,
     headers, body) or a callable of the request's body and headers; it counts the requests of
-    each route and keeps each request's route, headers and body in `requests`."""
+    each route and keeps each request's route, headers and body in `requests`. A route in
+    `dribbles` is answered a byte at a time, that many seconds apart (a slow or hostile peer),
+    until the answer is sent or the client goes."""
 
     def __init__(self, answers: dict[str, Any]) -> None:
         import http.server
 
         self.answers, self.hits = answers, Counter[str]()
         self.requests: list[tuple[str, dict[str, str], Any]] = []
+        self.dribbles: dict[str, float] = {}
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -6298,6 +6301,9 @@ class StubServer:
                 status, headers, data = found(body, self.headers) if callable(found) else found
                 if isinstance(data, (dict, list)):
                     data = json.dumps(data).encode()
+                if route in stub.dribbles:
+                    self.dribble(status, headers, data, stub.dribbles[route])
+                    return
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)
@@ -6305,6 +6311,16 @@ class StubServer:
                 self.end_headers()
                 with contextlib.suppress(OSError):
                     self.wfile.write(data)
+
+            def dribble(
+                self, status: int, headers: Mapping[str, str], data: bytes, every_s: float
+            ) -> None:
+                lines = [f"HTTP/1.0 {status} Dribbled", *(f"{k}: {v}" for k, v in headers.items())]
+                head = "\r\n".join([*lines, f"content-length: {len(data)}", "", ""])
+                with contextlib.suppress(OSError):
+                    for byte in head.encode() + data:
+                        self.wfile.write(bytes([byte]))
+                        time.sleep(every_s)
 
             do_GET = do_POST = answer
 
@@ -6585,6 +6601,64 @@ def test_remote_store_times_out() -> None:
         with pytest.raises(tactmem.RemoteUnavailable, match="timed out"):
             stub.store(timeout_s=0.3).read([1])
         assert time.monotonic() - started < 1.4  # it did not wait for the answer
+    finally:
+        stub.close()
+
+
+SLOW_HEADER = {"x-slow": "s" * 400}  # 400 bytes a quarter of a second apart: 100 s of headers
+# Every route, the answer a sound server would give it, and the call that sends it.
+ROUTE_CALLS: dict[str, tuple[Any, Callable[[tactmem.RemoteStore], object]]] = {
+    "session": (SESSION[2], lambda s: s.session()),
+    "memories/scan": (scan_of(card(1)), lambda s: s.scan("q")),
+    "memories/read": ({"memories": [wire(1)]}, lambda s: s.read([1])),
+    "memories/list": ({"memories": []}, lambda s: s.list()),
+    "memories/put": ({"memory": wire(1, "a put")}, lambda s: s.put("a put")),
+    "memories/delete": ({}, lambda s: s.delete(Key(1, 1))),
+    "memories/sync": (dict.fromkeys(tactmem._SYNC_COUNTS, 0), lambda s: s.sync([])),
+    "memories/export": ({"memories": [], "next_cursor": None}, lambda s: s.export()),
+}
+
+
+@pytest.mark.parametrize("route", ROUTE_CALLS)
+def test_remote_store_deadline_holds_to_the_last_byte_of_every_route(route: str) -> None:
+    """Issue 25: a server sending its headers a byte every quarter second kept the client
+    waiting a minute (a socket timeout bounds each receive alone). The request's deadline
+    holds from connect to the last byte, headers included; a timeout is not repeated."""
+    answer, call = ROUTE_CALLS[route]
+    stub = StubServer({"session": SESSION, route: (200, SLOW_HEADER, answer)})
+    stub.dribbles[route] = 0.25
+    try:
+        started = time.monotonic()
+        with pytest.raises(tactmem.RemoteUnavailable, match="timed out"):
+            call(stub.store(timeout_s=1.0))
+        assert time.monotonic() - started < 10  # the deadline is 1 s: a bound, not a speed
+        assert stub.hits[route] == 1
+    finally:
+        stub.close()
+
+
+def test_remote_store_deadline_holds_in_a_slow_body_and_on_a_retry() -> None:
+    """A body sent a byte at a time times out as headers do, and so does each attempt of a
+    repeated request: the second attempt of a list (after a 503) dribbles and fails alone."""
+    padded = b'{"memories": []' + b" " * 400 + b"}"
+    stub = StubServer({"session": SESSION, "memories/read": (200, {}, padded)})
+    stub.dribbles["memories/read"] = 0.25
+
+    def list_answer(*_: object) -> tuple[int, dict[str, str], Any]:
+        if stub.hits["memories/list"] == 1:
+            return 503, {"retry-after": "0"}, {"code": "unavailable"}
+        stub.dribbles["memories/list"] = 0.25
+        return 200, SLOW_HEADER, {"memories": []}
+
+    stub.answers["memories/list"] = list_answer
+    try:
+        store, started = stub.store(timeout_s=1.0), time.monotonic()
+        with pytest.raises(tactmem.RemoteUnavailable, match="timed out"):
+            store.read([1])
+        with pytest.raises(tactmem.RemoteUnavailable, match="timed out"):
+            store.list()
+        assert time.monotonic() - started < 15  # two deadlines of 1 s and a backoff
+        assert (stub.hits["memories/read"], stub.hits["memories/list"]) == (1, 2)
     finally:
         stub.close()
 
@@ -7124,6 +7198,32 @@ def test_the_team_tool_reads_by_the_keys_scan_returned(team: TeamServer) -> None
     assert [m["key"] for m in strict["memories"]] == [card["key"]]
     with pytest.raises(TypeError, match="TeamBackend"):
         MemoryTool(Store(":memory:"), root=True, team=True)
+
+
+def test_a_dribbling_server_never_holds_the_command_line(tmp_path: Path) -> None:
+    """Issue 25: behind a server that sends its headers a byte every quarter second, `tactmem
+    scan` waited 65 s and a `tactmem tool` scan never answered. Each now fails within its
+    deadline (2 s a request; the session and the scan: two), in a real process."""
+    (tmp_path / "work").mkdir()
+    stub = StubServer({"session": (200, SLOW_HEADER, SESSION[2]),
+                       "memories/scan": (200, SLOW_HEADER, scan_of(card(1)))})  # fmt: skip
+    stub.dribbles.update({"session": 0.25, "memories/scan": 0.25})
+    config = team_config(tmp_path, stub.url, ["work"])
+    try:
+        started = time.monotonic()
+        scan = run_in(tmp_path / "work", config, "scan", "releases")
+        assert (scan.returncode, scan.stdout) == (1, "")
+        assert scan.stderr == "tactmem: remote memory request failed or timed out\n"
+        request = json_lines({"operation": "scan", "query": "releases"})
+        tool = run_in(tmp_path / "work", config, "tool", stdin=request)
+        assert json.loads(tool.stdout)["error"]["code"] == "remote_unavailable"
+        stub.dribbles.pop("session")  # the session answers; the scan dribbles
+        scan = run_in(tmp_path / "work", config, "--json", "scan", "releases")
+        assert json.loads(scan.stdout)["error"]["code"] == "remote_unavailable"
+        assert time.monotonic() - started < 30  # three commands, each within 2 s or 4 s
+        assert stub.hits["memories/scan"] == 1
+    finally:
+        stub.close()
 
 
 def test_cli_workspace_roots_take_in_linked_git_worktrees(tmp_path: Path) -> None:
