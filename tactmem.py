@@ -5004,11 +5004,12 @@ def _execute(store: Backend, request: _Request, now_ms: int, min_coverage: float
     if request.operation == "scan":  # a backend without `min_coverage` serves the default
         floor = {"min_coverage": min_coverage} if min_coverage else {}
         return store.scan(request.query, limit=request.limit, now_ms=now_ms, **floor)
-    if request.operation == "read" and request.keys:
-        assert isinstance(store, TeamBackend)  # `MemoryTool(team=True)` made sure
-        return store.read_keys(request.keys)
-    if request.operation == "read":
-        return store.read(request.ids, now_ms=now_ms)
+    if request.operation == "read":  # by id (the default), and in team memory by key
+        found = store.read(request.ids, now_ms=now_ms) if request.ids or not request.keys else ()
+        if request.keys:
+            assert isinstance(store, TeamBackend)  # `MemoryTool(team=True)` made sure, or `main`
+            found += store.read_keys(request.keys)
+        return found
     if request.operation == "put":
         return store.put(request.content, replace=request.key, now_ms=now_ms)
     assert request.key is not None
@@ -6170,13 +6171,6 @@ def _number(text: str) -> int:
     return int(text)
 
 
-def _id_number(text: str) -> int:
-    """An id as typed: a number a row can have, so `read 0` is a usage error like `read -1`."""
-    if re.fullmatch(_TYPED_NUMBER, text) is None or not _addressable(int(text)):
-        raise argparse.ArgumentTypeError(f"expected an id from 1 to {_MAX_SQL_INT}")
-    return int(text)
-
-
 def _coverage(text: str) -> float:
     try:
         return _check_min_coverage(float(text))
@@ -6184,14 +6178,50 @@ def _coverage(text: str) -> float:
         raise argparse.ArgumentTypeError("must be a number from 0 to 1") from None
 
 
-def _parse_key_argument(text: str) -> Key:
-    """`ID@VERSION` as typed on the command line."""
-    match = re.fullmatch(f"({_TYPED_NUMBER})@({_TYPED_NUMBER})", text.strip())
-    if match is None or not all(_addressable(int(part)) for part in match.groups()):
+class _TypedKey(NamedTuple):
+    """A record named on the command line, as scan prints keys: `ID`, `ID@VERSION`, and in
+    team memory `NS#ID` and `NS#ID@VERSION` (`alice#7 v2` is `alice#7@2`)."""
+
+    namespace: str | None
+    id: int
+    version: int | None
+
+
+_TYPED_KEY: Final = re.compile(
+    f"(?:({_REMOTE_NAMESPACE.pattern})#)?({_TYPED_NUMBER})(?:@({_TYPED_NUMBER}))?"
+)
+_TEAM_FORM: Final = "in a workspace root also NS#ID@VERSION, as scan prints it: alice#7@2"
+
+
+def _typed_key(text: str) -> _TypedKey | None:
+    """`text` as a `_TypedKey` whose id and version a row can have, else None."""
+    match = _TYPED_KEY.fullmatch(text)
+    if match is None:
+        return None
+    namespace, doc_id, version = match.groups()
+    numbers = (doc_id,) if version is None else (doc_id, version)
+    if not all(_addressable(int(number)) for number in numbers):
+        return None
+    return _TypedKey(namespace, int(doc_id), None if version is None else int(version))
+
+
+def _read_name(text: str) -> _TypedKey:
+    """What `read` takes: `ID`, `NS#ID` or `NS#ID@VERSION`, so `read 0` is a usage error like
+    `read -1`."""
+    typed = _typed_key(text)
+    if typed is None or (typed.namespace is None and typed.version is not None):
+        raise argparse.ArgumentTypeError(f"expected an id from 1 to {_MAX_SQL_INT} ({_TEAM_FORM})")
+    return typed
+
+
+def _key_name(text: str) -> _TypedKey:
+    """What `put --replace` and `delete` take: `ID@VERSION` or `NS#ID@VERSION`."""
+    typed = _typed_key(text.strip())
+    if typed is None or typed.version is None:
         raise argparse.ArgumentTypeError(
-            "a memory key is written ID@VERSION, both from 1, for example 7@2"
+            f"a memory key is written ID@VERSION, both from 1, for example 7@2 ({_TEAM_FORM})"
         )
-    return Key(int(match.group(1)), int(match.group(2)))
+    return typed
 
 
 def _read_stdin(limit: int) -> str:
@@ -6218,19 +6248,70 @@ def _json(value: object) -> str:
     return json.dumps(value)
 
 
-def _tool_request(arguments: argparse.Namespace, limits: Limits) -> dict[str, Any]:
-    """The tool request a `scan`, `read`, `put` or `delete` command line stands for."""
+def _tool_request(arguments: argparse.Namespace, store: Backend) -> dict[str, Any]:
+    """The tool request a `scan`, `put` or `delete` command line stands for (in team memory,
+    the team tool's: a key may name its namespace)."""
     if arguments.command == "scan":
         limit = {} if arguments.limit is None else {"limit": arguments.limit}
         return {"operation": "scan", "query": arguments.query, **limit}
-    if arguments.command == "read":
-        return {"operation": "read", "ids": arguments.ids}
     if arguments.command == "put":
         given = arguments.content
-        content = _read_stdin(limits.content_bytes) if given == "-" else given
-        replace = {} if arguments.replace is None else {"replace": attrs.asdict(arguments.replace)}
-        return {"operation": "put", "content": content, **replace}
-    return {"operation": "delete", **attrs.asdict(arguments.key)}
+        content = _read_stdin(store.limits.content_bytes) if given == "-" else given
+        replace = arguments.replace and {"replace": _typed_wire(arguments.replace, store)}
+        return {"operation": "put", "content": content, **(replace or {})}
+    return {"operation": "delete", **_typed_wire(arguments.key, store)}
+
+
+def _own_namespace(store: Backend) -> str | None:
+    """The namespace a bare id names: team memory's own; None for the local store."""
+    return store.namespace if isinstance(store, RemoteStore) else None
+
+
+def _other_namespace(typed: _TypedKey, store: Backend) -> str | None:
+    """The namespace a typed key names, when it is not the caller's own (None: its own). The
+    local store has no namespaces: `NS#ID` there is a usage error, before it is opened."""
+    own = _own_namespace(store)
+    if typed.namespace is not None and own is None:
+        raise _UsageError(
+            "NS#ID names team memory, used inside a workspace root; the local store's keys"
+            " are ID and ID@VERSION"
+        )
+    return None if typed.namespace == own else typed.namespace
+
+
+def _typed_wire(typed: _TypedKey, store: Backend) -> dict[str, Any]:
+    """A typed `ID@VERSION` as a tool key: with a namespace only when another's (which the
+    team tool then refuses as `remote_denied`, before any request)."""
+    other = _other_namespace(typed, store)
+    return {"id": typed.id, "version": typed.version, **({"namespace": other} if other else {})}
+
+
+def _read_command_request(names: Sequence[_TypedKey], store: Backend) -> _Request:
+    """`read`: the caller's own ids (bare, or NS#ID of its own namespace) and, in team memory,
+    versioned keys of any namespace, each checked as the tool checks its read."""
+    ids, keys = [], []
+    for typed in names:
+        other = _other_namespace(typed, store)
+        if typed.version is not None:
+            keys.append({"id": typed.id, "version": typed.version,
+                         "namespace": other or _own_namespace(store)})  # fmt: skip
+        elif other is None:
+            ids.append(typed.id)
+        else:
+            raise _UsageError(
+                "another namespace's record is read at its version: NS#ID@VERSION, as scan"
+                " prints it (NS#ID vVERSION)"
+            )
+    own = _parse_request({"operation": "read", "ids": ids}, store.limits)
+    keyed = _parse_request({"operation": "read", "keys": keys}, store.limits, team=True)
+    return _Request("read", ids=own.ids, keys=keyed.keys)
+
+
+def _in_named_order(records: Iterable[Record], names: Sequence[_TypedKey], own: str) -> Any:
+    """A read's records once each, in the order their names came (ids before keys otherwise)."""
+    places = {(typed.namespace or own, typed.id): None for typed in names}
+    found = {_where(record): record for record in reversed(list(records))}  # the first kept
+    return tuple(found[place] for place in places if place in found)
 
 
 def _human(request: _Request, value: Any, now_ms: int, namespace: str = "") -> Iterator[str]:
@@ -6267,10 +6348,16 @@ def _operation_command(store: Backend, arguments: argparse.Namespace, _: Config 
     """`scan`, `read`, `put`, `delete`: checked as the tool checks them, the tool's answer
     with `--json`, else lines for a person. The person is trusted: no scan gate. Exit 3 when
     nothing was found: a scan abstained, or a read found none of its ids."""
-    request = _parse_request(_tool_request(arguments, store.limits), store.limits)
+    if arguments.command == "read":
+        request = _read_command_request(arguments.ids, store)
+    else:
+        team = isinstance(store, RemoteStore)
+        request = _parse_request(_tool_request(arguments, store), store.limits, team=team)
     now = _now_ms()
     value = _execute(store, request, now, getattr(arguments, "min_coverage", 0.0))
     namespace = getattr(store, "namespace", "")  # team memory's own, for `deleted alice#7`
+    if request.operation == "read":
+        value = _in_named_order(value, arguments.ids, namespace)
     lines = (
         [_json(_answer(request, value))]
         if arguments.json
@@ -6560,6 +6647,16 @@ _IMPORTED: Final[_Argument] = (
     ("file",),
     {"metavar": "FILE", "help": "an export file, or - for stdin"},
 )
+_READ_HELP: Final = (
+    "a record's id, or in a workspace root (team memory) the key scan prints, NS#ID@VERSION"
+    " for NS#ID vVERSION; a bare ID always names your own namespace's record (NS#ID without"
+    " a version: only your own)"
+)
+_KEY_HELP: Final = (
+    "the record and the version you expect, or in a workspace root the key scan prints,"
+    " NS#ID@VERSION; a bare ID always names your own namespace's record, and only your own"
+    " namespace's records change"
+)
 # Each command's arguments, as `add_argument` takes them.
 _ARGUMENTS: Final[dict[str, tuple[_Argument, ...]]] = {
     "scan": (
@@ -6568,12 +6665,12 @@ _ARGUMENTS: Final[dict[str, tuple[_Argument, ...]]] = {
                         "choices": range(1, _DEFAULT_LIMITS.scan_results + 1)}),
         _MIN_COVERAGE,
     ),
-    "read": ((("ids",), {"metavar": "ID", "type": _id_number, "nargs": "+"}),),
+    "read": ((("ids",), {"metavar": "ID", "type": _read_name, "nargs": "+", "help": _READ_HELP}),),
     "put": (
         (("content",), {"help": "the conclusion, or - to read it from stdin"}),
-        (("--replace",), {"metavar": "ID@VERSION", "type": _parse_key_argument}),
+        (("--replace",), {"metavar": "ID@VERSION", "type": _key_name, "help": _KEY_HELP}),
     ),
-    "delete": ((("key",), {"metavar": "ID@VERSION", "type": _parse_key_argument}),),
+    "delete": ((("key",), {"metavar": "ID@VERSION", "type": _key_name, "help": _KEY_HELP}),),
     "list": ((("--sort",), {"choices": _SORT_MODES, "default": "useful"}),),
     "export": (
         (("file",), {"metavar": "FILE", "nargs": "?", "default": "-",

@@ -7200,6 +7200,103 @@ def test_the_team_tool_reads_by_the_keys_scan_returned(team: TeamServer) -> None
         MemoryTool(Store(":memory:"), root=True, team=True)
 
 
+def test_cli_takes_the_keys_scan_prints_inside_a_workspace_root(
+    team: TeamServer, tmp_path: Path
+) -> None:
+    """Issue 25: scan printed `bob#1 v1`, but `read bob#1` was a usage error. Inside a
+    workspace root read, `put --replace` and delete take the keys scan prints; a bare id (or
+    the caller's own NS#ID) is the caller's own namespace, as `--help` says; another
+    namespace's record is read only at its version, and never changed."""
+    work = tmp_path / "work"
+    work.mkdir()
+    config = team_config(tmp_path, team.url, ["work"])
+    team.store("bob").put("Bob: the release train leaves on Thursdays.")
+    assert run_in(work, config, "put", "Alice: deploys wait for the release train.").stdout == (
+        "stored alice#1 v1\n"
+    )
+    scan = run_in(work, config, "scan", "release train").stdout.splitlines()
+    assert sorted(line.split("  ")[0] for line in scan) == ["alice#1 v1", "bob#1 v1"]
+
+    def read(*names: str) -> list[str]:
+        done = run_in(work, config, "read", *names)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        return [line.split(" ")[0] for line in done.stdout.splitlines() if "#" in line]
+
+    assert read("1") == read("alice#1") == ["alice#1"]  # never bob's, though bob has an id 1
+    assert read("bob#1@1") == ["bob#1"]
+    assert read("1", "bob#1@1") == ["alice#1", "bob#1"]  # in the order named
+    assert read("bob#1@1", "alice#1", "1") == ["bob#1", "alice#1"]
+    shown = run_in(work, config, "read", "bob#1@1").stdout
+    assert "Bob: the release train leaves on Thursdays." in shown
+    as_json = json.loads(run_in(work, config, "--json", "read", "bob#1@1").stdout)
+    assert as_json["memories"][0]["key"] == {"id": 1, "version": 1, "namespace": "bob"}
+    stale = run_in(work, config, "read", "bob#1@2")
+    assert (stale.returncode, stale.stdout) == (3, "no such memory\n")
+    unversioned = run_in(work, config, "read", "bob#1")
+    assert unversioned.returncode == 2 and "NS#ID@VERSION" in unversioned.stderr
+    for argv in (("put", "Bob's, rewritten.", "--replace", "bob#1@1"), ("delete", "bob#1@1")):
+        denied = run_in(work, config, *argv)
+        assert (denied.returncode, denied.stdout) == (1, "")
+        assert denied.stderr == "tactmem: remote memory changes only its own namespace's records\n"
+        code = json.loads(run_in(work, config, "--json", *argv).stdout)["error"]["code"]
+        assert code == "remote_denied"
+    replaced = run_in(
+        work, config, "put", "Alice: deploys follow the train.", "--replace", "alice#1@1"
+    )
+    assert replaced.stdout == "replaced alice#1 v2\n"
+    assert run_in(work, config, "delete", "alice#1@2").stdout == "deleted alice#1\n"
+    assert [r.content for r in team.store("bob").list()] == [
+        "Bob: the release train leaves on Thursdays."
+    ]
+    for command in ("read", "put", "delete"):
+        help_text = " ".join(run_in(work, config, command, "--help").stdout.split())
+        assert "a bare ID always names your own namespace's record" in help_text
+
+
+def test_cli_refuses_another_namespaces_key_before_any_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Replacing or deleting another namespace's record is `remote_denied`, and reading it
+    without its version a usage error, with no request sent; a bare id reads only the
+    caller's own namespace, even from a server that answers with another's record."""
+    (tmp_path / "work").mkdir()
+    foreign = {"memories": [wire(1, "Bob's record", namespace="bob")]}
+    stub = StubServer({"session": SESSION, "memories/read": (200, {}, foreign)})
+    config = str(team_config(tmp_path, stub.url, ["work"]))
+    here = os.getcwd()
+    try:
+        os.chdir(tmp_path / "work")
+        for argv, status in (
+            (("put", "Rewritten.", "--replace", "bob#1@1"), 1),
+            (("delete", "bob#1@1"), 1),
+            (("--json", "delete", "bob#1@1"), 1),
+            (("read", "bob#1"), 2),
+        ):
+            assert run_cli(capsys, "--config", config, *argv)[0] == status, argv
+        assert sum(stub.hits.values()) == 0
+        assert run_cli(capsys, "--config", config, "read", "1")[:2] == (3, "no such memory\n")
+    finally:
+        os.chdir(here)
+        stub.close()
+
+
+def test_cli_team_keys_outside_a_workspace_root_are_a_usage_error(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The local store has no namespaces: `alice#1` there is a usage error, found before the
+    store is opened, whatever namespace the config names."""
+    for argv in (
+        ("read", "alice#1"),
+        ("read", "alice#1@1"),
+        ("put", "text", "--replace", "alice#1@1"),
+        ("delete", "alice#1@1"),
+    ):
+        status, out, err = run_cli(capsys, "--db", str(db), *argv)
+        assert (status, out) == (2, ""), argv
+        assert err.startswith("tactmem: usage: NS#ID names team memory") and err.count("\n") == 1
+    assert not db.exists() and not db.parent.exists()
+
+
 def test_a_dribbling_server_never_holds_the_command_line(tmp_path: Path) -> None:
     """Issue 25: behind a server that sends its headers a byte every quarter second, `tactmem
     scan` waited 65 s and a `tactmem tool` scan never answered. Each now fails within its
