@@ -7226,6 +7226,8 @@ def test_cli_takes_the_keys_scan_prints_inside_a_workspace_root(
     assert read("bob#1@1") == ["bob#1"]
     assert read("1", "bob#1@1") == ["alice#1", "bob#1"]  # in the order named
     assert read("bob#1@1", "alice#1", "1") == ["bob#1", "alice#1"]
+    own = run_in(work, config, "read", "1").stdout
+    assert "Alice: deploys wait" in own and "Bob" not in own
     shown = run_in(work, config, "read", "bob#1@1").stdout
     assert "Bob: the release train leaves on Thursdays." in shown
     as_json = json.loads(run_in(work, config, "--json", "read", "bob#1@1").stdout)
