@@ -1009,10 +1009,10 @@ class _Corpus:
             self.postings[term][doc_id] = count
 
     def confirm(self, doc_ids: Iterable[int]) -> bool:
-        """Check the texts of these documents that came from a cache (`_screened`); False if
-        one is secret-shaped or holds a NUL (the cache lied: the caller starts over without it)."""
+        """Check the texts of these documents that came from a cache for secrets; False if
+        one is secret-shaped (the cache lied: the caller starts over without it)."""
         for doc_id in self.unconfirmed.intersection(doc_ids):
-            if _screened(self.contents[doc_id]):
+            if find_secret(self.contents[doc_id]) is not None:
                 return False
             self.unconfirmed.discard(doc_id)
         return True
@@ -1106,9 +1106,8 @@ def _derive(
     todo = [i for i in range(len(texts)) if i not in cached]
     counted = {i: Counter(tokenize(texts[i])) for i in todo}
     secret = _secret_rows([texts[i] for i in todo], set().union(*counted.values()))
-    derived: dict[int, _Derived] = {  # `_screened` (a hidden text's terms are kept nowhere)
-        i: (True, {}) if n in secret or _unstorable(texts[i]) else (False, counted[i])
-        for n, i in enumerate(todo)
+    derived: dict[int, _Derived] = {  # a hidden text's terms are kept nowhere
+        i: (True, {}) if n in secret else (False, counted[i]) for n, i in enumerate(todo)
     }
     return [derived[i] if i in derived else known[digests[i]] for i in range(len(texts))], cached
 
@@ -2037,7 +2036,7 @@ class Backend(Protocol):
     prune what `_expired` names (never in `delete`), read what the plan needs, ask
     `_plan_scan`, `_plan_read`, `_plan_put` or `_check_version` (the delete plan), and write
     exactly the plan. Rows that `_shown` rejects count against every bound but never reach
-    an agent, not as a scan card either (the corpus hides the texts `_hidden` names). Every
+    an agent, not as a scan card either (`_Corpus` hides secret-shaped texts, no others). Every
     failure is a `TactmemError` and changes nothing. A backend that offers export, merge and
     restore (as `Store` does) writes files with `_export_file` and takes them with
     `_parse_export`, then plans the whole batch in one transaction with `_plan_merge` or
@@ -4178,15 +4177,17 @@ _PUT_READS: Final = (
     "SELECT version, COALESCE(length(CAST(content AS BLOB)), 0), created_at_ms FROM memories"
     " WHERE id = ?",
 )
-# What ranking reads: the content only of rows whose id and metadata `_shown` would accept
-# (NULL, which `_hidden` hides, for the rest; the corpus hides the texts `_hidden` names), so
-# a scan never offers a card a read would not return.
+# What ranking reads: the content only of rows whose id, metadata and text `_shown` would
+# accept but for the secret rules (NULL, which `_hidden` hides, for the rest: a row at an id no
+# read can name, of the wrong types, or holding a NUL, `_unstorable`); the corpus hides
+# secret-shaped texts itself. So a scan never offers a card a read would not return.
 _CORPUS_ROWS: Final = "SELECT id, version, CASE WHEN {} THEN content END FROM memories".format(
     " AND ".join(
         ["id > 0"]
         + [f"typeof({name}) = 'integer'" for name in ("version", *_COUNT_FIELDS)]
         + [f"typeof({name}) IN ('integer', 'null')" for name in _TIME_FIELDS]
         + ["version > 0", "scan_count >= 0", "use_count >= 0"]
+        + ["instr(CAST(content AS BLOB), X'00') = 0"]
     )
 )
 _RECORD_COLUMNS: Final = (
@@ -4843,29 +4844,27 @@ class Store:
         """One `BEGIN IMMEDIATE` ... `COMMIT` (`ROLLBACK` without `commit`), first pruning the
         rows `_expired` names at `prune_at` when it is given; any failure rolls everything
         back."""
-        with self._lock:
+        with self._lock, self._as_it_was(keep=commit):
             try:
-                with self._as_it_was(keep=commit):
-                    connection = self._connect()
-                    _begin_immediate(connection)
-                    try:
-                        self._check_file(connection)  # another process may have changed it
-                        (data_version,) = connection.execute("PRAGMA data_version").fetchone()
-                        if data_version != self._seen_version:  # another connection committed
-                            self._totals = None
-                        if prune_at is not None:
-                            self._prune(connection, prune_at)
-                        yield connection
-                        connection.execute("COMMIT" if commit else "ROLLBACK")
-                        self._seen_version = data_version  # a connection's own commits keep it
-                        if not commit:  # a prune rolled back too
-                            self._totals = None
-                    except BaseException:
-                        self._stale = True
+                connection = self._locked()
+                try:
+                    self._check_file(connection)  # another process may have changed the file
+                    (data_version,) = connection.execute("PRAGMA data_version").fetchone()
+                    if data_version != self._seen_version:  # another connection committed
                         self._totals = None
-                        if connection.in_transaction:  # SQLITE_FULL may have rolled back
-                            connection.execute("ROLLBACK")
-                        raise
+                    if prune_at is not None:
+                        self._prune(connection, prune_at)
+                    yield connection
+                    connection.execute("COMMIT" if commit else "ROLLBACK")
+                    self._seen_version = data_version  # a connection's own commits keep it
+                    if not commit:  # a prune rolled back too
+                        self._totals = None
+                except BaseException:
+                    self._stale = True
+                    self._totals = None
+                    if connection.in_transaction:  # SQLITE_FULL may have rolled back already
+                        connection.execute("ROLLBACK")
+                    raise
             except UnicodeDecodeError:  # SQLite's message quoting a schema name that is not UTF-8
                 raise StorageError(_DAMAGED) from None
             except sqlite3.Error as error:
@@ -4916,6 +4915,7 @@ class Store:
         if made.directories or made.file:  # a first use: undone if it fails (`_as_it_was`)
             self._made = made
         _inspect(self.path, self.limits)
+        identity = _file_identity(self.path)  # taken first: a file replaced after it is reopened
         connection = _open(self.path, self.limits, isolation_level=None, check_same_thread=False)
         self._schema_cookie = -1  # a new connection, perhaps to another file: check it all
         self._totals, self._seen_version = None, -1
@@ -4937,8 +4937,21 @@ class Store:
             connection.close()
             raise
         self._connection = connection
-        self._file = _file_identity(self.path)
+        self._file = identity
         self._stale = True
+        return connection
+
+    def _locked(self) -> sqlite3.Connection:
+        """The connection in `BEGIN IMMEDIATE`, on the file now at the path: one removed or
+        replaced while this waited for the lock (another store's failed first use takes its
+        file away, `_unmake`) is opened anew, instead of failing as SQLite's read-only."""
+        connection = self._connect()
+        _begin_immediate(connection)
+        while _file_identity(self.path) != self._file:
+            connection.execute("ROLLBACK")
+            self._close_connection()
+            connection = self._connect()
+            _begin_immediate(connection)
         return connection
 
     def _check_file(self, connection: sqlite3.Connection) -> int:
@@ -5256,10 +5269,10 @@ def _in_workspace(remote: RemoteConfig, workspace: str) -> bool:
 # ------------------------------------------------------------------------ the remote store
 # `RemoteStore` speaks protocol v1 with the original client's transport rules: 750 ms to
 # connect, 2 s per request (a deadline from the connect to the last byte: `_Deadline`), 3
-# attempts 100 and 250 ms apart, `Retry-After` honoured up to 2 s,
-# answers of at most 8 MiB. A 429, 502, 503 or 504 is retried only by operations that are safe
-# to repeat (session, list, delete, sync, export); scan, read and put retry only a connection
-# that failed to open. One store sends one request at a time, for the bookmark.
+# attempts 100 and 250 ms apart, `Retry-After` honoured up to 2 s, answers of at most 8 MiB. A
+# 429, 502, 503 or 504 is retried only by operations that are safe to repeat (session, list,
+# delete, sync, export); scan, read and put retry only a connection that failed to open. One
+# store sends one request at a time, for the bookmark.
 
 _CONNECT_TIMEOUT_S: Final = 0.75
 _REQUEST_TIMEOUT_S: Final = 2.0
@@ -6257,8 +6270,9 @@ def _tool_request(arguments: argparse.Namespace, store: Backend) -> dict[str, An
     if arguments.command == "put":
         given = arguments.content
         content = _read_stdin(store.limits.content_bytes) if given == "-" else given
-        replace = arguments.replace and {"replace": _typed_wire(arguments.replace, store)}
-        return {"operation": "put", "content": content, **(replace or {})}
+        replace = arguments.replace
+        key = {} if replace is None else {"replace": _typed_wire(replace, store)}
+        return {"operation": "put", "content": content, **key}
     return {"operation": "delete", **_typed_wire(arguments.key, store)}
 
 
