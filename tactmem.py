@@ -1679,8 +1679,13 @@ def _hidden(content: object) -> bool:
 
 def _screened(text: str) -> bool:
     """Text no agent is shown, stored or sent it (a foreign store's, a server's answer): it is
-    secret-shaped, or holds a NUL character, which no backend stores (PostgreSQL text cannot)."""
-    return "\0" in text or find_secret(text) is not None
+    secret-shaped, or `_unstorable`."""
+    return _unstorable(text) or find_secret(text) is not None
+
+
+def _unstorable(text: str) -> bool:
+    """Whether text holds a NUL character, which no backend stores (PostgreSQL text cannot)."""
+    return "\0" in text
 
 
 # The metadata a shown row must hold as integers (besides its version, at least 1, and the two
@@ -1689,11 +1694,17 @@ _COUNT_FIELDS: Final = ("created_at_ms", "updated_at_ms", "scan_count", "use_cou
 _TIME_FIELDS: Final = ("last_scanned_at_ms", "last_used_at_ms", "probation_until_ms")
 
 
+def _addressable(doc_id: int) -> bool:
+    """Whether an id can name a row at all: a positive 64-bit SQL integer."""
+    return 0 < doc_id <= _MAX_SQL_INT
+
+
 def _shown(record: Record) -> bool:
-    """Whether an agent or the browser may see a row: text that is not secret-shaped, and
-    integer metadata (an older or foreign writer could have stored anything)."""
+    """Whether an agent or the browser may see a row: an id a read can name, text that is not
+    `_hidden`, and integer metadata (an older or foreign writer could have stored anything)."""
     return (
-        not _hidden(record.content)
+        _addressable(record.key.id)
+        and not _hidden(record.content)
         and type(record.key.version) is int
         and all(type(getattr(record, name)) is int for name in _COUNT_FIELDS)
         and all(type(getattr(record, name)) in (int, type(None)) for name in _TIME_FIELDS)
@@ -1718,11 +1729,6 @@ def _utf8_length(text: str, what: str) -> int:
 # Every rule of a store, over values the shell reads in the operation's one transaction: a
 # backend reads what a plan needs, asks here, writes the plan. Plans and snapshots are frozen
 # NamedTuples (a fraction of an attrs class's cost to make, at import and per operation).
-
-
-def _addressable(doc_id: int) -> bool:
-    """Whether an id can name a row at all: a positive 64-bit SQL integer."""
-    return 0 < doc_id <= _MAX_SQL_INT
 
 
 def _expired(use_count: int, probation_until_ms: int | None, now_ms: int) -> bool:
@@ -1868,7 +1874,7 @@ def _check_put(content: str, replace: Key | None, limits: Limits, now_ms: int) -
     size = _utf8_length(content, "content")
     if size > limits.content_bytes:
         raise ContentTooLarge(limits.content_bytes)
-    if "\0" in content:  # PostgreSQL text cannot hold one, so no backend stores it
+    if _unstorable(content):
         raise InvalidRequest("memory content must not hold a NUL character")
     identity = normalized_identity(content)
     rule = find_secret(content)
@@ -1904,8 +1910,8 @@ def _plan_put(put: _Put, state: _PutState, limits: Limits) -> _PutPlan:
         if state.duplicate_of is not None:
             raise Duplicate()
         _check_insert(state.rows, state.content_bytes, put.size, limits)
-        if isinstance(state.next_id, (int, float)) and state.next_id > _MAX_SQL_INT:
-            raise DatabaseCapacity()  # SQLite makes the id after the largest one a float
+        if isinstance(state.next_id, (int, float)) and state.next_id >= _MAX_SQL_INT:
+            raise DatabaseCapacity()  # the allocator would hold the id after it: a float
         if type(state.next_id) is not int:  # a foreign writer's allocator: no id is safe
             raise StorageError("memory database's id allocator is not a whole number")
         key, created = Key(state.next_id, 1), put.now_ms
@@ -2030,11 +2036,12 @@ class Backend(Protocol):
     before any I/O (`_scan_terms`, `_check_min_coverage`, `_check_put`, `_read_ids`); then
     prune what `_expired` names (never in `delete`), read what the plan needs, ask
     `_plan_scan`, `_plan_read`, `_plan_put` or `_check_version` (the delete plan), and write
-    exactly the plan. Rows that `_hidden` (read and list: `_shown`) rejects count against
-    every bound but never reach an agent. Every failure is a `TactmemError` and changes
-    nothing. A backend that offers export, merge and restore (as `Store` does) writes files
-    with `_export_file` and takes them with `_parse_export`, then plans the whole batch in one
-    transaction with `_plan_merge` or `_plan_restore`."""
+    exactly the plan. Rows that `_shown` rejects count against every bound but never reach
+    an agent, not as a scan card either (`_Corpus` hides secret-shaped texts, no others). Every
+    failure is a `TactmemError` and changes nothing. A backend that offers export, merge and
+    restore (as `Store` does) writes files with `_export_file` and takes them with
+    `_parse_export`, then plans the whole batch in one transaction with `_plan_merge` or
+    `_plan_restore`."""
 
     @property
     def limits(self) -> Limits: ...
@@ -4515,13 +4522,17 @@ _PUT_READS: Final = (
     "SELECT version, COALESCE(length(CAST(content AS BLOB)), 0), created_at_ms FROM memories"
     " WHERE id = ?",
 )
-# What ranking reads: the content only of rows whose metadata `_shown` would accept (NULL,
-# which `_hidden` hides, for the rest), so a scan never offers a card a read would not return.
+# What ranking reads: the content only of rows whose id, metadata and text `_shown` would
+# accept but for the secret rules (NULL, which `_hidden` hides, for the rest: a row at an id no
+# read can name, of the wrong types, or holding a NUL, `_unstorable`); the corpus hides
+# secret-shaped texts itself. So a scan never offers a card a read would not return.
 _CORPUS_ROWS: Final = "SELECT id, version, CASE WHEN {} THEN content END FROM memories".format(
     " AND ".join(
-        [f"typeof({name}) = 'integer'" for name in ("version", *_COUNT_FIELDS)]
+        ["id > 0"]
+        + [f"typeof({name}) = 'integer'" for name in ("version", *_COUNT_FIELDS)]
         + [f"typeof({name}) IN ('integer', 'null')" for name in _TIME_FIELDS]
         + ["version > 0", "scan_count >= 0", "use_count >= 0"]
+        + ["instr(CAST(content AS BLOB), X'00') = 0"]
     )
 )
 _RECORD_COLUMNS: Final = (
@@ -4539,6 +4550,12 @@ _UPDATE: Final = (
     "UPDATE memories SET version = ?, content = ?, normalized_identity = ?, created_at_ms = ?,"
     " updated_at_ms = ?, last_scanned_at_ms = ?, scan_count = ?, last_used_at_ms = ?,"
     " use_count = ?, probation_until_ms = ? WHERE id = ?"
+)
+# A scan's telemetry: `scan_count` saturates at the largest integer, as `_plan_read`'s
+# `use_count` does (SQLite's `+` would make it a float, which `_shown` hides).
+_MARK_SCANNED: Final = (
+    "UPDATE memories SET last_scanned_at_ms = ?,"
+    f" scan_count = MIN(scan_count, {_MAX_SQL_INT - 1}) + 1 WHERE id = ?"
 )
 _SQL_CHUNK: Final = 500  # ids bound per `IN (...)`, under every SQLite variable limit
 # What a merge and a restore read for their `_Batch` besides `_TOTALS` and `_NEXT_ID`.
@@ -4764,11 +4781,25 @@ def _open_to_others(path: str) -> bool:
         return False
 
 
-def _prepare_file(path: str) -> None:
+# The tables of a file, and those of a new store (`_remove_if_new`).
+_TABLES: Final = "SELECT name FROM sqlite_schema WHERE type = 'table'"
+_MEMORY_TABLES: Final = frozenset(("memories", "memory_metadata"))
+
+
+class _Made(NamedTuple):
+    """What `_prepare_file` created: the directories, outermost first, and the file (None when
+    it was there already). A first use that fails takes them away again (`_unmake`)."""
+
+    directories: list[str]
+    file: str | None = None
+
+
+def _prepare_file(path: str) -> _Made:
     """Create every missing directory on the way 0700 and a missing database file 0600,
     whatever the umask; a dangling symlink gets its target created 0600. Anything but a
     regular file at the path (a directory, a device, a FIFO) is refused before SQLite opens
-    it, so no journal is ever made beside `/dev/null`."""
+    it, so no journal is ever made beside `/dev/null`. A failure leaves nothing it made."""
+    made = _Made([])
     try:
         missing, parent = [], os.path.dirname(os.path.abspath(path))
         while not os.path.isdir(parent) and parent != os.path.dirname(parent):
@@ -4777,16 +4808,52 @@ def _prepare_file(path: str) -> None:
         for directory in reversed(missing):
             with contextlib.suppress(FileExistsError):  # another process got there first
                 os.mkdir(directory, 0o700)
+                made.directories.append(directory)
                 os.chmod(directory, 0o700)  # exactly 0700, not what the umask left of it
         dangling = os.path.islink(path) and not os.path.exists(path)
-        only_new = 0 if dangling else os.O_EXCL  # an existing file is left alone
-        with contextlib.suppress(FileExistsError):
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | only_new, 0o600))
+        target = os.path.realpath(path) if dangling else path
+        with contextlib.suppress(FileExistsError):  # an existing file is left alone
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            made = made._replace(file=target)
         regular = stat.S_ISREG(os.stat(path).st_mode)
     except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in the path
+        _unmake(made, _DEFAULT_LIMITS)
         raise StorageError("could not prepare the memory directory") from None
     if not regular:
         raise StorageError("could not open the memory database file")
+    return made
+
+
+def _unmake(made: _Made, limits: Limits) -> None:
+    """Take away what `_prepare_file` made for a first use that failed: the file, unless it
+    holds something by now (`_remove_if_new`), then each directory made that is still empty."""
+    if made.file is not None and not _remove_if_new(made.file, limits):
+        return  # another process uses it: it and its directories stay
+    for directory in reversed(made.directories):
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+def _remove_if_new(path: str, limits: Limits) -> bool:
+    """Remove a database file that holds no schema, or only tactmem's empty one with no id
+    handed out, under the write lock, so that no other process has written to it (one that
+    opened it meanwhile gets SQLite's read-only error, never a write into a removed file).
+    Whether it is gone; a file that cannot be checked stays."""
+    try:
+        connection = _open(path, limits, isolation_level=None)
+    except sqlite3.Error:
+        return False
+    try:
+        _begin_immediate(connection)
+        tables = {name for (name,) in connection.execute(_TABLES)}
+        if tables and (tables != _MEMORY_TABLES or _read_batch(connection) != _NEW_STORE):
+            return False
+        os.unlink(path)
+        return True
+    except (sqlite3.Error, OSError):
+        return False
+    finally:
+        connection.close()
 
 
 def _schema_version(connection: sqlite3.Connection) -> int:
@@ -4918,6 +4985,7 @@ class Store:
         self._seen_version = -1
         self._known: dict[str, _Derived] | None = None  # the side cache's entries, once loaded
         self._cache_lines = 0
+        self._made: _Made | None = None  # what this store's first use made, until it commits
 
     def __repr__(self) -> str:
         return f"Store({self.path!r}, limits={self.limits!r})"
@@ -4931,10 +4999,13 @@ class Store:
     def close(self) -> None:
         """Close the connection; the next operation opens it again."""
         with self._lock:
-            if self._connection is not None:
-                self._connection.close()
-                self._connection = None
-            self._stale = True
+            self._close_connection()
+
+    def _close_connection(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+        self._stale = True
 
     # -------------------------------------------------------------------- operations
 
@@ -4956,11 +5027,7 @@ class Store:
             if not self._corpus.confirm(plan.scanned):
                 self._forget_the_cache(connection)
                 plan = _plan_scan(self._corpus, terms, limit, self.limits, floor)
-            connection.executemany(
-                "UPDATE memories SET last_scanned_at_ms = ?, scan_count = scan_count + 1"
-                " WHERE id = ?",
-                [(now, doc_id) for doc_id in plan.scanned],
-            )
+            connection.executemany(_MARK_SCANNED, [(now, doc_id) for doc_id in plan.scanned])
         return plan.result
 
     def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
@@ -5123,10 +5190,9 @@ class Store:
         """One `BEGIN IMMEDIATE` ... `COMMIT` (`ROLLBACK` without `commit`), first pruning the
         rows `_expired` names at `prune_at` when it is given; any failure rolls everything
         back."""
-        with self._lock:
+        with self._lock, self._as_it_was(keep=commit):
             try:
-                connection = self._connect()
-                _begin_immediate(connection)
+                connection = self._locked()
                 try:
                     self._check_file(connection)  # another process may have changed the file
                     (data_version,) = connection.execute("PRAGMA data_version").fetchone()
@@ -5153,6 +5219,27 @@ class Store:
                     failure = DiskFull()
                 raise failure from None
 
+    @contextlib.contextmanager
+    def _as_it_was(self, *, keep: bool) -> Iterator[None]:
+        """Run an operation. When the file did not exist before it, the file and directories
+        it made stay only if it succeeds and is kept (`keep`: not a dry run); otherwise they
+        are taken away (`_unmake`), so a failed first use leaves the file system as it was."""
+        try:
+            yield
+        except BaseException:
+            self._unmake()
+            raise
+        if keep:
+            self._made = None
+        else:
+            self._unmake()
+
+    def _unmake(self) -> None:
+        made, self._made = self._made, None
+        if made is not None:
+            self._close_connection()
+            _unmake(made, self.limits)
+
     def _disk_is_tighter(self) -> bool:
         """Whether the file system has less room than the page budget still allows: then it,
         not the budget, is what SQLITE_FULL ran into."""
@@ -5170,8 +5257,11 @@ class Store:
                 return self._connection
             self._connection.close()
             self._connection = None
-        _prepare_file(self.path)
+        made = _prepare_file(self.path)
+        if made.directories or made.file:  # a first use: undone if it fails (`_as_it_was`)
+            self._made = made
         _inspect(self.path, self.limits)
+        identity = _file_identity(self.path)  # taken first: a file replaced after it is reopened
         connection = _open(self.path, self.limits, isolation_level=None, check_same_thread=False)
         self._schema_cookie = -1  # a new connection, perhaps to another file: check it all
         self._totals, self._seen_version = None, -1
@@ -5193,8 +5283,21 @@ class Store:
             connection.close()
             raise
         self._connection = connection
-        self._file = _file_identity(self.path)
+        self._file = identity
         self._stale = True
+        return connection
+
+    def _locked(self) -> sqlite3.Connection:
+        """The connection in `BEGIN IMMEDIATE`, on the file now at the path: one removed or
+        replaced while this waited for the lock (another store's failed first use takes its
+        file away, `_unmake`) is opened anew, instead of failing as SQLite's read-only."""
+        connection = self._connect()
+        _begin_immediate(connection)
+        while _file_identity(self.path) != self._file:
+            connection.execute("ROLLBACK")
+            self._close_connection()
+            connection = self._connect()
+            _begin_immediate(connection)
         return connection
 
     def _check_file(self, connection: sqlite3.Connection) -> int:
@@ -5260,11 +5363,12 @@ def _execute(store: Backend, request: _Request, now_ms: int, min_coverage: float
     if request.operation == "scan":  # a backend without `min_coverage` serves the default
         floor = {"min_coverage": min_coverage} if min_coverage else {}
         return store.scan(request.query, limit=request.limit, now_ms=now_ms, **floor)
-    if request.operation == "read" and request.keys:
-        assert isinstance(store, TeamBackend)  # `MemoryTool(team=True)` made sure
-        return store.read_keys(request.keys)
-    if request.operation == "read":
-        return store.read(request.ids, now_ms=now_ms)
+    if request.operation == "read":  # by id (the default), and in team memory by key
+        found = store.read(request.ids, now_ms=now_ms) if request.ids or not request.keys else ()
+        if request.keys:
+            assert isinstance(store, TeamBackend)  # `MemoryTool(team=True)` made sure, or `main`
+            found += store.read_keys(request.keys)
+        return found
     if request.operation == "put":
         return store.put(request.content, replace=request.key, now_ms=now_ms)
     assert request.key is not None
@@ -5510,10 +5614,11 @@ def _in_workspace(remote: RemoteConfig, workspace: str) -> bool:
 
 # ------------------------------------------------------------------------ the remote store
 # `RemoteStore` speaks protocol v1 with the original client's transport rules: 750 ms to
-# connect, 2 s per request, 3 attempts 100 and 250 ms apart, `Retry-After` honoured up to 2 s,
-# answers of at most 8 MiB. A 429, 502, 503 or 504 is retried only by operations that are safe
-# to repeat (session, list, delete, sync, export); scan, read and put retry only a connection
-# that failed to open. One store sends one request at a time, for the bookmark.
+# connect, 2 s per request (a deadline from the connect to the last byte: `_Deadline`), 3
+# attempts 100 and 250 ms apart, `Retry-After` honoured up to 2 s, answers of at most 8 MiB. A
+# 429, 502, 503 or 504 is retried only by operations that are safe to repeat (session, list,
+# delete, sync, export); scan, read and put retry only a connection that failed to open. One
+# store sends one request at a time, for the bookmark.
 
 _CONNECT_TIMEOUT_S: Final = 0.75
 _REQUEST_TIMEOUT_S: Final = 2.0
@@ -5549,6 +5654,43 @@ def _check_endpoint(endpoint: str) -> str:
 
 class _NotConnected(Exception):
     """The connection could not be opened: nothing was sent, so any request may try again."""
+
+
+class _Deadline:
+    """A request's deadline as a watchdog: `seconds` from now it shuts down the socket it
+    watches, so that no connect, send or receive outlives it. (A socket's timeout bounds
+    each call alone, which a peer sending a byte at a time never trips; shutting the socket
+    down ends whatever call is blocked on it, TLS or not.)"""
+
+    def __init__(self, seconds: float) -> None:
+        self.expired = False
+        self._lock = threading.Lock()
+        self._socket: Any = None
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def watch(self, sock: Any) -> None:
+        """Watch this socket from now on (the last one given), shut at once if late."""
+        with self._lock:
+            self._socket = sock
+            if self.expired:
+                self._shut()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            self._shut()
+
+    def _shut(self) -> None:
+        import socket
+
+        if self._socket is not None:  # the plain socket's call, for a TLS socket too
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(self._socket, socket.SHUT_RDWR)
 
 
 class RemoteStore:
@@ -5774,23 +5916,98 @@ class RemoteStore:
     ) -> tuple[int, float | None, bytes, dict[str, str]]:
         """Send one request on a new connection (with the `sent` headers): the status, its
         `Retry-After` in seconds (None if absent or not a number), the body (at most
-        `_ANSWER_BYTES`) and the answer's `x-tactmem-` headers (`_team_facts`)."""
+        `_ANSWER_BYTES`) and the answer's `x-tactmem-` headers (`_team_facts`), all within
+        the request's deadline, from the first connect to the last byte (`_Deadline`)."""
+        import http.client
+
+        deadline = _Deadline(self._timeouts[1])
+        try:
+            connection = self._connection(deadline)
+            try:
+                answer = self._send(connection, route, data, sent)
+            except (OSError, http.client.HTTPException):
+                answer = None
+            finally:
+                connection.close()
+        finally:
+            deadline.cancel()
+        if answer is None or deadline.expired:  # an answer the watchdog cut short is none
+            raise RemoteUnavailable("remote memory request failed or timed out")
+        return answer
+
+    def _connection(self, deadline: _Deadline) -> Any:
+        """An HTTP connection over a socket opened under `deadline` (TLS verified for https):
+        each address tried for the connect timeout, until one answers or the deadline ends."""
         import http.client
         import ssl
         from urllib.parse import urlsplit
 
         parts = urlsplit(self.endpoint)
-        connect, total = self._timeouts
-        deadline = time.monotonic() + total
-        if parts.scheme == "https":
+        host, https = parts.hostname or "", parts.scheme == "https"
+        port = parts.port or (443 if https else 80)
+        try:
+            sock = self._socket(host, port, deadline)
+        except (OSError, UnicodeError):  # UnicodeError: a host name IDNA cannot encode
+            raise _NotConnected() from None
+        if https:
+            context = ssl.create_default_context()
             connection: http.client.HTTPConnection = http.client.HTTPSConnection(
-                parts.hostname or "", parts.port, timeout=connect,
-                context=ssl.create_default_context(),
-            )  # fmt: skip
-        else:
-            connection = http.client.HTTPConnection(
-                parts.hostname or "", parts.port, timeout=connect
+                host, port, context=context
             )
+            sock = self._tls(sock, host, context, deadline)
+        else:
+            connection = http.client.HTTPConnection(host, port)
+        sock.settimeout(self._timeouts[1])
+        connection.sock = sock
+        return connection
+
+    @staticmethod
+    def _tls(sock: Any, host: str, context: Any, deadline: _Deadline) -> Any:
+        """`sock` after a verified TLS handshake with `host`, watched by `deadline`."""
+        import ssl
+
+        try:
+            sock = context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+            deadline.watch(sock)
+            sock.do_handshake()
+        except ssl.SSLCertVerificationError:
+            sock.close()
+            raise RemoteUnavailable(
+                "remote memory server's TLS certificate could not be verified"
+            ) from None
+        except OSError:
+            sock.close()
+            raise _NotConnected() from None
+        return sock
+
+    def _socket(self, host: str, port: int, deadline: _Deadline) -> Any:
+        """A connected TCP socket under `deadline` (`socket.create_connection`, watched)."""
+        import socket
+
+        failure: OSError = ConnectionError("no address")
+        for family, kind, protocol, _, address in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM
+        ):
+            sock = socket.socket(family, kind, protocol)
+            deadline.watch(sock)
+            sock.settimeout(self._timeouts[0])
+            try:
+                sock.connect(address)
+            except OSError as error:
+                sock.close()
+                failure = error
+                if deadline.expired:
+                    break
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        raise failure
+
+    def _send(
+        self, connection: Any, route: str, data: bytes | None, sent: Mapping[str, str]
+    ) -> tuple[int, float | None, bytes, dict[str, str]]:
+        from urllib.parse import urlsplit
+
         headers = {
             "authorization": f"Bearer {self._token}",
             "x-tact-memory-namespace": self.namespace,
@@ -5799,50 +6016,29 @@ class RemoteStore:
             **({_BOOKMARK: self._bookmark} if self._bookmark else {}),
             **sent,
         }
-        try:
-            try:
-                connection.connect()
-            except ssl.SSLCertVerificationError:
-                raise RemoteUnavailable(
-                    "remote memory server's TLS certificate could not be verified"
-                ) from None
-            except OSError:
-                raise _NotConnected() from None
-            try:
-                sock = connection.sock
-                assert sock is not None
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                path = parts.path.rstrip("/") + "/v1/" + route
-                connection.request("GET" if data is None else "POST", path, data, headers)
-                response = connection.getresponse()
-                answer = self._body(response, sock, deadline)
-            except (OSError, http.client.HTTPException):
-                raise RemoteUnavailable("remote memory request failed or timed out") from None
-            if 200 <= response.status < 300:
-                self._keep_bookmark(response.headers.get_all(_BOOKMARK) or [])
-            retry = response.headers.get("retry-after", "")
-            seconds = float(retry) if retry.isascii() and retry.isdigit() else None  # not `²`
-            noted = {
-                name.lower(): value
-                for name, value in response.headers.items()
-                if name.lower().startswith("x-tactmem-")
-            }
-            return response.status, seconds, answer, noted
-        finally:
-            connection.close()
+        path = urlsplit(self.endpoint).path.rstrip("/") + "/v1/" + route
+        connection.request("GET" if data is None else "POST", path, data, headers)
+        response = connection.getresponse()
+        answer = self._body(response)
+        if 200 <= response.status < 300:
+            self._keep_bookmark(response.headers.get_all(_BOOKMARK) or [])
+        retry = response.headers.get("retry-after", "")
+        seconds = float(retry) if retry.isascii() and retry.isdigit() else None  # not `²`
+        noted = {
+            name.lower(): value
+            for name, value in response.headers.items()
+            if name.lower().startswith("x-tactmem-")
+        }
+        return response.status, seconds, answer, noted
 
     @staticmethod
-    def _body(response: Any, sock: Any, deadline: float) -> bytes:
+    def _body(response: Any) -> bytes:
         chunks, size = [], 0
         while chunk := response.read1(65_536):
             size += len(chunk)
             if size > _ANSWER_BYTES:
                 raise RemoteInvalid("remote memory server's answer is larger than 8 MiB")
             chunks.append(chunk)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError()
-            sock.settimeout(left)
         return b"".join(chunks)
 
     def _keep_bookmark(self, values: Sequence[str]) -> None:
@@ -6511,13 +6707,6 @@ def _number(text: str) -> int:
     return int(text)
 
 
-def _id_number(text: str) -> int:
-    """An id as typed: a number a row can have, so `read 0` is a usage error like `read -1`."""
-    if re.fullmatch(_TYPED_NUMBER, text) is None or not _addressable(int(text)):
-        raise argparse.ArgumentTypeError(f"expected an id from 1 to {_MAX_SQL_INT}")
-    return int(text)
-
-
 def _coverage(text: str) -> float:
     try:
         return _check_min_coverage(float(text))
@@ -6525,14 +6714,50 @@ def _coverage(text: str) -> float:
         raise argparse.ArgumentTypeError("must be a number from 0 to 1") from None
 
 
-def _parse_key_argument(text: str) -> Key:
-    """`ID@VERSION` as typed on the command line."""
-    match = re.fullmatch(f"({_TYPED_NUMBER})@({_TYPED_NUMBER})", text.strip())
-    if match is None or not all(_addressable(int(part)) for part in match.groups()):
+class _TypedKey(NamedTuple):
+    """A record named on the command line, as scan prints keys: `ID`, `ID@VERSION`, and in
+    team memory `NS#ID` and `NS#ID@VERSION` (`alice#7 v2` is `alice#7@2`)."""
+
+    namespace: str | None
+    id: int
+    version: int | None
+
+
+_TYPED_KEY: Final = re.compile(
+    f"(?:({_REMOTE_NAMESPACE.pattern})#)?({_TYPED_NUMBER})(?:@({_TYPED_NUMBER}))?"
+)
+_TEAM_FORM: Final = "in a workspace root also NS#ID@VERSION, as scan prints it: alice#7@2"
+
+
+def _typed_key(text: str) -> _TypedKey | None:
+    """`text` as a `_TypedKey` whose id and version a row can have, else None."""
+    match = _TYPED_KEY.fullmatch(text)
+    if match is None:
+        return None
+    namespace, doc_id, version = match.groups()
+    numbers = (doc_id,) if version is None else (doc_id, version)
+    if not all(_addressable(int(number)) for number in numbers):
+        return None
+    return _TypedKey(namespace, int(doc_id), None if version is None else int(version))
+
+
+def _read_name(text: str) -> _TypedKey:
+    """What `read` takes: `ID`, `NS#ID` or `NS#ID@VERSION`, so `read 0` is a usage error like
+    `read -1`."""
+    typed = _typed_key(text)
+    if typed is None or (typed.namespace is None and typed.version is not None):
+        raise argparse.ArgumentTypeError(f"expected an id from 1 to {_MAX_SQL_INT} ({_TEAM_FORM})")
+    return typed
+
+
+def _key_name(text: str) -> _TypedKey:
+    """What `put --replace` and `delete` take: `ID@VERSION` or `NS#ID@VERSION`."""
+    typed = _typed_key(text.strip())
+    if typed is None or typed.version is None:
         raise argparse.ArgumentTypeError(
-            "a memory key is written ID@VERSION, both from 1, for example 7@2"
+            f"a memory key is written ID@VERSION, both from 1, for example 7@2 ({_TEAM_FORM})"
         )
-    return Key(int(match.group(1)), int(match.group(2)))
+    return typed
 
 
 def _read_stdin(limit: int) -> str:
@@ -6559,19 +6784,71 @@ def _json(value: object) -> str:
     return json.dumps(value)
 
 
-def _tool_request(arguments: argparse.Namespace, limits: Limits) -> dict[str, Any]:
-    """The tool request a `scan`, `read`, `put` or `delete` command line stands for."""
+def _tool_request(arguments: argparse.Namespace, store: Backend) -> dict[str, Any]:
+    """The tool request a `scan`, `put` or `delete` command line stands for (in team memory,
+    the team tool's: a key may name its namespace)."""
     if arguments.command == "scan":
         limit = {} if arguments.limit is None else {"limit": arguments.limit}
         return {"operation": "scan", "query": arguments.query, **limit}
-    if arguments.command == "read":
-        return {"operation": "read", "ids": arguments.ids}
     if arguments.command == "put":
         given = arguments.content
-        content = _read_stdin(limits.content_bytes) if given == "-" else given
-        replace = {} if arguments.replace is None else {"replace": attrs.asdict(arguments.replace)}
-        return {"operation": "put", "content": content, **replace}
-    return {"operation": "delete", **attrs.asdict(arguments.key)}
+        content = _read_stdin(store.limits.content_bytes) if given == "-" else given
+        replace = arguments.replace
+        key = {} if replace is None else {"replace": _typed_wire(replace, store)}
+        return {"operation": "put", "content": content, **key}
+    return {"operation": "delete", **_typed_wire(arguments.key, store)}
+
+
+def _own_namespace(store: Backend) -> str | None:
+    """The namespace a bare id names: team memory's own; None for the local store."""
+    return store.namespace if isinstance(store, RemoteStore) else None
+
+
+def _other_namespace(typed: _TypedKey, store: Backend) -> str | None:
+    """The namespace a typed key names, when it is not the caller's own (None: its own). The
+    local store has no namespaces: `NS#ID` there is a usage error, before it is opened."""
+    own = _own_namespace(store)
+    if typed.namespace is not None and own is None:
+        raise _UsageError(
+            "NS#ID names team memory, used inside a workspace root; the local store's keys"
+            " are ID and ID@VERSION"
+        )
+    return None if typed.namespace == own else typed.namespace
+
+
+def _typed_wire(typed: _TypedKey, store: Backend) -> dict[str, Any]:
+    """A typed `ID@VERSION` as a tool key: with a namespace only when another's (which the
+    team tool then refuses as `remote_denied`, before any request)."""
+    other = _other_namespace(typed, store)
+    return {"id": typed.id, "version": typed.version, **({"namespace": other} if other else {})}
+
+
+def _read_command_request(names: Sequence[_TypedKey], store: Backend) -> _Request:
+    """`read`: the caller's own ids (bare, or NS#ID of its own namespace) and, in team memory,
+    versioned keys of any namespace, each checked as the tool checks its read."""
+    ids, keys = [], []
+    for typed in names:
+        other = _other_namespace(typed, store)
+        if typed.version is not None:
+            keys.append({"id": typed.id, "version": typed.version,
+                         "namespace": other or _own_namespace(store)})  # fmt: skip
+        elif other is None:
+            ids.append(typed.id)
+        else:
+            raise _UsageError(
+                "another namespace's record is read at its version: NS#ID@VERSION, as scan"
+                " prints it (NS#ID vVERSION)"
+            )
+    own = _parse_request({"operation": "read", "ids": ids}, store.limits)
+    keyed = _parse_request({"operation": "read", "keys": keys}, store.limits, team=True)
+    return _Request("read", ids=own.ids, keys=keyed.keys)
+
+
+def _in_named_order(records: Iterable[Record], names: Sequence[_TypedKey], own: str) -> Any:
+    """A read's records once each, in the order their names came (ids before keys otherwise)."""
+    places = {(typed.namespace or own, typed.id): None for typed in names}
+    found = {_where(record): record for record in reversed(list(records))}  # the first kept
+    return tuple(found[place] for place in places if place in found)
 
 
 def _human(request: _Request, value: Any, now_ms: int, namespace: str = "") -> Iterator[str]:
@@ -6608,10 +6885,16 @@ def _operation_command(store: Backend, arguments: argparse.Namespace, _: Config 
     """`scan`, `read`, `put`, `delete`: checked as the tool checks them, the tool's answer
     with `--json`, else lines for a person. The person is trusted: no scan gate. Exit 3 when
     nothing was found: a scan abstained, or a read found none of its ids."""
-    request = _parse_request(_tool_request(arguments, store.limits), store.limits)
+    if arguments.command == "read":
+        request = _read_command_request(arguments.ids, store)
+    else:
+        team = isinstance(store, RemoteStore)
+        request = _parse_request(_tool_request(arguments, store), store.limits, team=team)
     now = _now_ms()
     value = _execute(store, request, now, getattr(arguments, "min_coverage", 0.0))
     namespace = getattr(store, "namespace", "")  # team memory's own, for `deleted alice#7`
+    if request.operation == "read":
+        value = _in_named_order(value, arguments.ids, namespace)
     lines = (
         [_json(_answer(request, value))]
         if arguments.json
@@ -7028,6 +7311,16 @@ _IMPORTED: Final[_Argument] = (
     ("file",),
     {"metavar": "FILE", "help": "an export file, or - for stdin"},
 )
+_READ_HELP: Final = (
+    "a record's id, or in a workspace root (team memory) the key scan prints, NS#ID@VERSION"
+    " for NS#ID vVERSION; a bare ID always names your own namespace's record (NS#ID without"
+    " a version: only your own)"
+)
+_KEY_HELP: Final = (
+    "the record and the version you expect, or in a workspace root the key scan prints,"
+    " NS#ID@VERSION; a bare ID always names your own namespace's record, and only your own"
+    " namespace's records change"
+)
 # Each command's arguments, as `add_argument` takes them.
 _ARGUMENTS: Final[dict[str, tuple[_Argument, ...]]] = {
     "scan": (
@@ -7036,12 +7329,12 @@ _ARGUMENTS: Final[dict[str, tuple[_Argument, ...]]] = {
                         "choices": range(1, _DEFAULT_LIMITS.scan_results + 1)}),
         _MIN_COVERAGE,
     ),
-    "read": ((("ids",), {"metavar": "ID", "type": _id_number, "nargs": "+"}),),
+    "read": ((("ids",), {"metavar": "ID", "type": _read_name, "nargs": "+", "help": _READ_HELP}),),
     "put": (
         (("content",), {"help": "the conclusion, or - to read it from stdin"}),
-        (("--replace",), {"metavar": "ID@VERSION", "type": _parse_key_argument}),
+        (("--replace",), {"metavar": "ID@VERSION", "type": _key_name, "help": _KEY_HELP}),
     ),
-    "delete": ((("key",), {"metavar": "ID@VERSION", "type": _parse_key_argument}),),
+    "delete": ((("key",), {"metavar": "ID@VERSION", "type": _key_name, "help": _KEY_HELP}),),
     "list": ((("--sort",), {"choices": _SORT_MODES, "default": "useful"}),),
     "export": (
         (("file",), {"metavar": "FILE", "nargs": "?", "default": "-",

@@ -1543,10 +1543,13 @@ def test_plan_put_refuses_an_insert_in_the_reference_order() -> None:
         (put_state(rows=4, content_bytes=64), RecordCapacity),  # then rows
         (put_state(rows=3, content_bytes=53), ContentCapacity),  # then bytes: 53 + 12 > 64
         (put_state(next_id=2**63), DatabaseCapacity),  # then ids left
+        # The allocator keeps the id after the one handed out, so 2**63 - 1 is never handed
+        # out (issue 25: the allocator was left holding a float)
+        (put_state(next_id=2**63 - 1), DatabaseCapacity),
     ]:
         with pytest.raises(error):
             plan_put(state)
-    assert plan_put(put_state(next_id=2**63 - 1)).record.key == Key(2**63 - 1, 1)
+    assert plan_put(put_state(next_id=2**63 - 2)).record.key == Key(2**63 - 2, 1)
 
 
 def test_plan_put_replaces_in_place_with_fresh_telemetry() -> None:
@@ -2357,6 +2360,100 @@ def test_an_import_past_the_page_budget_writes_nothing(tmp_path: Path) -> None:
     assert [r.content for r in small.list(now_ms=2)] == ["already here"]
 
 
+def tree(root: Path) -> list[str]:
+    """Every path under `root`, relative to it: what a failed first use must leave as it was."""
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*"))
+
+
+FILLER = [Record(Key(i, 1), f"{i} " + "filler words " * 70, 1, 1, None, 0, None, 0, None)
+          for i in range(1, 61)]  # fmt: skip
+SMALL_PAGES = Limits(database_bytes=8 * 4096)
+# The first use of a store that fails, on every path a failure can take: refused before the
+# store is opened, while it is planned, while it is written, while the file is made.
+FAILED_FIRST_USES: dict[str, Callable[[Path], object]] = {
+    "restore of a secret": lambda db: Store(db).restore(
+        holding(RECORD | {"content": "password=hunter2hunter2"})
+    ),
+    "restore of a duplicate": lambda db: Store(db).restore(
+        holding(RECORD, RECORD | {"key": {"id": 2, "version": 1}, "content": "A  FACT"}, next_id=3)
+    ),
+    "restore of a hostile file": lambda db: Store(db).restore(b"not an export\n"),
+    "import of a secret": lambda db: Store(db).merge(
+        holding(RECORD | {"content": "password=hunter2hunter2"})
+    ),
+    "import past the record bound": lambda db: Store(db, limits=TINY).merge(
+        tactmem._export_file(
+            [attrs.evolve(record, content=f"fact {record.key.id}") for record in FILLER[:5]],
+            6,
+            TINY,
+            1,
+            tactmem.__version__,
+        ).data
+    ),
+    "restore past the page budget": lambda db: Store(db, limits=SMALL_PAGES).restore(
+        tactmem._export_file(FILLER, 61, Limits(), 1, tactmem.__version__).data
+    ),
+    "import past the page budget": lambda db: Store(db, limits=SMALL_PAGES).merge(
+        tactmem._export_file(FILLER, 61, Limits(), 1, tactmem.__version__).data
+    ),
+    "a put of a secret": lambda db: Store(db).put("password=hunter2hunter2"),
+    "a page budget smaller than the schema": lambda db: Store(
+        db, limits=Limits(database_bytes=4096)
+    ).list(),
+    "a name no file can have": lambda db: Store(db.parent / ("x" * 300)).list(),
+    "a name holding a NUL": lambda db: Store(db.parent / "bad\0name").list(),
+}
+
+
+@pytest.mark.parametrize("failure", FAILED_FIRST_USES)
+def test_a_failed_first_use_leaves_the_file_system_as_it_was(tmp_path: Path, failure: str) -> None:
+    """Issue 25: a refused restore or import created the database file (and its directories);
+    whatever fails, no file, directory, journal or cache is left behind."""
+    db = tmp_path / "new" / "deeper" / "v1.sqlite3"
+    with pytest.raises(TactmemError):
+        FAILED_FIRST_USES[failure](db)
+    assert tree(tmp_path) == []
+    with Store(db) as store:  # and the store is made as usual on the next use
+        store.put("a first conclusion")
+    assert tree(tmp_path) == ["new", "new/deeper", "new/deeper/v1.sqlite3"]
+
+
+def test_a_store_waiting_for_the_lock_of_a_file_taken_away_opens_the_new_one(db: Path) -> None:
+    """A failed first use takes its file away under the write lock (`_unmake`); a store that
+    opened the file meanwhile and waits for that lock then writes to the file at the path,
+    not into the removed one (where SQLite refuses it as read-only)."""
+    with Store(db) as store:
+        store.list()
+        holder = raw(db)
+        holder.execute("BEGIN IMMEDIATE")
+        done: list[object] = []
+        writer = threading.Thread(target=lambda: done.append(store.put("after it went").key))
+        writer.start()
+        time.sleep(0.3)  # the writer is waiting for the lock (if not yet, it reopens anyway)
+        os.unlink(db)  # as `_remove_if_new` does, holding the lock
+        holder.execute("ROLLBACK")
+        holder.close()
+        writer.join(10)
+        assert done == [Key(1, 1)]
+    assert [record.content for record in Store(db).list()] == ["after it went"]
+
+
+def test_a_failed_command_leaves_the_file_system_as_it_was(tmp_path: Path) -> None:
+    """The same through the command line: a refused restore or import, a put refused as a
+    secret, and a `--db` no file can have each print one line and leave nothing behind."""
+    backup = tmp_path / "backup.jsonl"
+    backup.write_bytes(holding(RECORD | {"content": "password=hunter2hunter2"}))
+    db = tmp_path / "new" / "v1.sqlite3"
+    for argv in (
+        ("--db", str(db), "restore", str(backup)),
+        ("--db", str(db), "import", str(backup)),
+        ("--db", str(db), "put", "password=hunter2hunter2"),
+        ("--db", str(db.parent / ("x" * 300)), "scan", "anything"),
+    ):
+        assert_one_line_refusal(cli(*argv), "")
+        assert tree(tmp_path) == ["backup.jsonl"], argv
+
+
 def test_import_skips_a_record_an_earlier_line_holds() -> None:
     lines = [
         {"key": {"id": i, "version": 1}, "content": text, "created_at_ms": 0,
@@ -2422,6 +2519,36 @@ def test_the_largest_lines_fit_the_size_bound() -> None:
     full = tactmem._export_file(rows, most, limits, least, tactmem.__version__).data
     assert len(full) <= tactmem._export_bytes(limits)
     assert tactmem._parse_export(full, limits).records[2][1] == rows[2]
+
+
+def test_every_counter_and_id_stays_a_64_bit_integer_at_its_edge(db: Path) -> None:
+    """Issue 25: a restored record whose counters are at 2**63 - 1 keeps them there (a scan
+    used to make `scan_count` a float, which hid the record), and an allocator at 2**63 - 1
+    hands out no id (an insert there used to leave a float in it, and the store could no
+    longer export). Every column tactmem writes stays an integer, and the store exports."""
+    edge = Record(Key(MOST - 1, MOST), "worn to the edge of every counter", -(2**63), MOST,
+                  MOST, MOST, MOST, MOST, MOST)  # fmt: skip
+    store = Store(db)
+    assert store.restore(holding(tactmem._to_json(edge), next_id=MOST)) == 1
+    (card,) = store.scan("worn edge counter", now_ms=1).candidates
+    assert card.key == edge.key
+    (read,) = store.read([MOST - 1], now_ms=2)
+    assert (read.scan_count, read.use_count) == (MOST, MOST)
+    assert store.scan("worn edge counter", now_ms=3).candidates[0].key == edge.key  # still shown
+    with pytest.raises(DatabaseCapacity):
+        store.put("no id is left for this one", now_ms=4)
+    with pytest.raises(DatabaseCapacity, match="export line 2"):
+        store.merge(holding(RECORD), now_ms=4)
+    with pytest.raises(Conflict):  # no version is left above the largest
+        store.put("a replacement", replace=edge.key, now_ms=4)
+    with raw(db) as connection:
+        kinds = connection.execute(
+            "SELECT typeof(id), typeof(version), typeof(scan_count), typeof(use_count),"
+            " typeof(created_at_ms), typeof(last_scanned_at_ms), typeof(last_used_at_ms),"
+            " (SELECT typeof(next_id) FROM memory_metadata) FROM memories"
+        ).fetchall()
+    assert kinds == [("integer",) * 8]
+    assert store.export(now_ms=5).next_id == MOST
 
 
 MANIFEST: dict[str, Any] = {
@@ -5764,6 +5891,34 @@ def test_rows_of_the_wrong_type_are_hidden_never_a_traceback(db: Path) -> None:
     assert answers[3] == {"operation": "delete", "id": 2}  # a hidden row can still be deleted
 
 
+# Rows a foreign writer could leave that an agent must never see, beyond `malformed_rows`'.
+HIDDEN_ROWS = {
+    "a NUL character": "UPDATE memories SET content = 'planted' || char(0) || 'row' WHERE id = 1",
+    "id 0": "UPDATE memories SET id = 0 WHERE id = 1",
+    "a negative id": "UPDATE memories SET id = -3 WHERE id = 1",
+}
+
+
+@pytest.mark.parametrize("kind", HIDDEN_ROWS)
+def test_scan_offers_exactly_what_read_returns(db: Path, tmp_path: Path, kind: str) -> None:
+    """Issue 25: a row that read, list and export hide is never a scan card either (scan
+    offered a row holding a NUL, and rows at ids no read can name), and every export restores."""
+    with Store(db) as store:
+        store.put("planted row about sqlite", now_ms=0)
+        store.put("a sound row about sqlite", now_ms=0)
+    with raw(db) as connection:
+        connection.execute(HIDDEN_ROWS[kind])
+    with Store(db) as store:
+        offered = [card.key for card in store.scan("planted row sqlite", now_ms=1).candidates]
+        returned = [record.key for record in store.read([key.id for key in offered], now_ms=1)]
+        assert offered == returned == [Key(2, 1)]
+        assert [record.key for record in store.list(now_ms=1)] == [Key(2, 1)]
+        export = store.export(now_ms=1)
+        assert (export.records, export.hidden) == (1, 1)
+        assert store._stats(now_ms=1)["hidden_records"] == 1
+    assert Store(tmp_path / "restored.sqlite3").restore(export.data) == 1
+
+
 @contextlib.contextmanager
 def read_only_directory() -> Iterator[tuple[Path, Callable[[], None]]]:
     """A directory tactmem cannot write to, and a function that makes it read-only.
@@ -6139,13 +6294,16 @@ def test_memory_tool_over_a_remote_store(team: TeamServer) -> None:
 class StubServer:
     """A tiny HTTP server on 127.0.0.1 that answers each route as a test says: (status,
     headers, body) or a callable of the request's body and headers; it counts the requests of
-    each route and keeps each request's route, headers and body in `requests`."""
+    each route and keeps each request's route, headers and body in `requests`. A route in
+    `dribbles` is answered a byte at a time, that many seconds apart (a slow or hostile peer),
+    until the answer is sent or the client goes."""
 
     def __init__(self, answers: dict[str, Any]) -> None:
         import http.server
 
         self.answers, self.hits = answers, Counter[str]()
         self.requests: list[tuple[str, dict[str, str], Any]] = []
+        self.dribbles: dict[str, float] = {}
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -6162,6 +6320,9 @@ class StubServer:
                 status, headers, data = found(body, self.headers) if callable(found) else found
                 if isinstance(data, (dict, list)):
                     data = json.dumps(data).encode()
+                if route in stub.dribbles:
+                    self.dribble(status, headers, data, stub.dribbles[route])
+                    return
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)
@@ -6169,6 +6330,16 @@ class StubServer:
                 self.end_headers()
                 with contextlib.suppress(OSError):
                     self.wfile.write(data)
+
+            def dribble(
+                self, status: int, headers: Mapping[str, str], data: bytes, every_s: float
+            ) -> None:
+                lines = [f"HTTP/1.0 {status} Dribbled", *(f"{k}: {v}" for k, v in headers.items())]
+                head = "\r\n".join([*lines, f"content-length: {len(data)}", "", ""])
+                with contextlib.suppress(OSError):
+                    for byte in head.encode() + data:
+                        self.wfile.write(bytes([byte]))
+                        time.sleep(every_s)
 
             do_GET = do_POST = answer
 
@@ -6449,6 +6620,64 @@ def test_remote_store_times_out() -> None:
         with pytest.raises(tactmem.RemoteUnavailable, match="timed out"):
             stub.store(timeout_s=0.3).read([1])
         assert time.monotonic() - started < 1.4  # it did not wait for the answer
+    finally:
+        stub.close()
+
+
+SLOW_HEADER = {"x-slow": "s" * 400}  # 400 bytes a quarter of a second apart: 100 s of headers
+# Every route, the answer a sound server would give it, and the call that sends it.
+ROUTE_CALLS: dict[str, tuple[Any, Callable[[tactmem.RemoteStore], object]]] = {
+    "session": (SESSION[2], lambda s: s.session()),
+    "memories/scan": (scan_of(card(1)), lambda s: s.scan("q")),
+    "memories/read": ({"memories": [wire(1)]}, lambda s: s.read([1])),
+    "memories/list": ({"memories": []}, lambda s: s.list()),
+    "memories/put": ({"memory": wire(1, "a put")}, lambda s: s.put("a put")),
+    "memories/delete": ({}, lambda s: s.delete(Key(1, 1))),
+    "memories/sync": (dict.fromkeys(tactmem._SYNC_COUNTS, 0), lambda s: s.sync([])),
+    "memories/export": ({"memories": [], "next_cursor": None}, lambda s: s.export()),
+}
+
+
+@pytest.mark.parametrize("route", ROUTE_CALLS)
+def test_remote_store_deadline_holds_to_the_last_byte_of_every_route(route: str) -> None:
+    """Issue 25: a server sending its headers a byte every quarter second kept the client
+    waiting a minute (a socket timeout bounds each receive alone). The request's deadline
+    holds from connect to the last byte, headers included; a timeout is not repeated."""
+    answer, call = ROUTE_CALLS[route]
+    stub = StubServer({"session": SESSION, route: (200, SLOW_HEADER, answer)})
+    stub.dribbles[route] = 0.25
+    try:
+        started = time.monotonic()
+        with pytest.raises(tactmem.RemoteUnavailable, match="timed out"):
+            call(stub.store(timeout_s=1.0))
+        assert time.monotonic() - started < 10  # the deadline is 1 s: a bound, not a speed
+        assert stub.hits[route] == 1
+    finally:
+        stub.close()
+
+
+def test_remote_store_deadline_holds_in_a_slow_body_and_on_a_retry() -> None:
+    """A body sent a byte at a time times out as headers do, and so does each attempt of a
+    repeated request: the second attempt of a list (after a 503) dribbles and fails alone."""
+    padded = b'{"memories": []' + b" " * 400 + b"}"
+    stub = StubServer({"session": SESSION, "memories/read": (200, {}, padded)})
+    stub.dribbles["memories/read"] = 0.25
+
+    def list_answer(*_: object) -> tuple[int, dict[str, str], Any]:
+        if stub.hits["memories/list"] == 1:
+            return 503, {"retry-after": "0"}, {"code": "unavailable"}
+        stub.dribbles["memories/list"] = 0.25
+        return 200, SLOW_HEADER, {"memories": []}
+
+    stub.answers["memories/list"] = list_answer
+    try:
+        store, started = stub.store(timeout_s=1.0), time.monotonic()
+        with pytest.raises(tactmem.RemoteUnavailable, match="timed out"):
+            store.read([1])
+        with pytest.raises(tactmem.RemoteUnavailable, match="timed out"):
+            store.list()
+        assert time.monotonic() - started < 15  # two deadlines of 1 s and a backoff
+        assert (stub.hits["memories/read"], stub.hits["memories/list"]) == (1, 2)
     finally:
         stub.close()
 
@@ -6988,6 +7217,131 @@ def test_the_team_tool_reads_by_the_keys_scan_returned(team: TeamServer) -> None
     assert [m["key"] for m in strict["memories"]] == [card["key"]]
     with pytest.raises(TypeError, match="TeamBackend"):
         MemoryTool(Store(":memory:"), root=True, team=True)
+
+
+def test_cli_takes_the_keys_scan_prints_inside_a_workspace_root(
+    team: TeamServer, tmp_path: Path
+) -> None:
+    """Issue 25: scan printed `bob#1 v1`, but `read bob#1` was a usage error. Inside a
+    workspace root read, `put --replace` and delete take the keys scan prints; a bare id (or
+    the caller's own NS#ID) is the caller's own namespace, as `--help` says; another
+    namespace's record is read only at its version, and never changed."""
+    work = tmp_path / "work"
+    work.mkdir()
+    config = team_config(tmp_path, team.url, ["work"])
+    team.store("bob").put("Bob: the release train leaves on Thursdays.")
+    assert run_in(work, config, "put", "Alice: deploys wait for the release train.").stdout == (
+        "stored alice#1 v1\n"
+    )
+    scan = run_in(work, config, "scan", "release train").stdout.splitlines()
+    assert sorted(line.split("  ")[0] for line in scan) == ["alice#1 v1", "bob#1 v1"]
+
+    def read(*names: str) -> list[str]:
+        done = run_in(work, config, "read", *names)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        return [line.split(" ")[0] for line in done.stdout.splitlines() if "#" in line]
+
+    assert read("1") == read("alice#1") == ["alice#1"]  # never bob's, though bob has an id 1
+    assert read("bob#1@1") == ["bob#1"]
+    assert read("1", "bob#1@1") == ["alice#1", "bob#1"]  # in the order named
+    assert read("bob#1@1", "alice#1", "1") == ["bob#1", "alice#1"]
+    own = run_in(work, config, "read", "1").stdout
+    assert "Alice: deploys wait" in own and "Bob" not in own
+    shown = run_in(work, config, "read", "bob#1@1").stdout
+    assert "Bob: the release train leaves on Thursdays." in shown
+    as_json = json.loads(run_in(work, config, "--json", "read", "bob#1@1").stdout)
+    assert as_json["memories"][0]["key"] == {"id": 1, "version": 1, "namespace": "bob"}
+    stale = run_in(work, config, "read", "bob#1@2")
+    assert (stale.returncode, stale.stdout) == (3, "no such memory\n")
+    unversioned = run_in(work, config, "read", "bob#1")
+    assert unversioned.returncode == 2 and "NS#ID@VERSION" in unversioned.stderr
+    for argv in (("put", "Bob's, rewritten.", "--replace", "bob#1@1"), ("delete", "bob#1@1")):
+        denied = run_in(work, config, *argv)
+        assert (denied.returncode, denied.stdout) == (1, "")
+        assert denied.stderr == "tactmem: remote memory changes only its own namespace's records\n"
+        code = json.loads(run_in(work, config, "--json", *argv).stdout)["error"]["code"]
+        assert code == "remote_denied"
+    replaced = run_in(
+        work, config, "put", "Alice: deploys follow the train.", "--replace", "alice#1@1"
+    )
+    assert replaced.stdout == "replaced alice#1 v2\n"
+    assert run_in(work, config, "delete", "alice#1@2").stdout == "deleted alice#1\n"
+    assert [r.content for r in team.store("bob").list()] == [
+        "Bob: the release train leaves on Thursdays."
+    ]
+    for command in ("read", "put", "delete"):
+        help_text = " ".join(run_in(work, config, command, "--help").stdout.split())
+        assert "a bare ID always names your own namespace's record" in help_text
+
+
+def test_cli_refuses_another_namespaces_key_before_any_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Replacing or deleting another namespace's record is `remote_denied`, and reading it
+    without its version a usage error, with no request sent; a bare id reads only the
+    caller's own namespace, even from a server that answers with another's record."""
+    (tmp_path / "work").mkdir()
+    foreign = {"memories": [wire(1, "Bob's record", namespace="bob")]}
+    stub = StubServer({"session": SESSION, "memories/read": (200, {}, foreign)})
+    config = str(team_config(tmp_path, stub.url, ["work"]))
+    here = os.getcwd()
+    try:
+        os.chdir(tmp_path / "work")
+        for argv, status in (
+            (("put", "Rewritten.", "--replace", "bob#1@1"), 1),
+            (("delete", "bob#1@1"), 1),
+            (("--json", "delete", "bob#1@1"), 1),
+            (("read", "bob#1"), 2),
+        ):
+            assert run_cli(capsys, "--config", config, *argv)[0] == status, argv
+        assert sum(stub.hits.values()) == 0
+        assert run_cli(capsys, "--config", config, "read", "1")[:2] == (3, "no such memory\n")
+    finally:
+        os.chdir(here)
+        stub.close()
+
+
+def test_cli_team_keys_outside_a_workspace_root_are_a_usage_error(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The local store has no namespaces: `alice#1` there is a usage error, found before the
+    store is opened, whatever namespace the config names."""
+    for argv in (
+        ("read", "alice#1"),
+        ("read", "alice#1@1"),
+        ("put", "text", "--replace", "alice#1@1"),
+        ("delete", "alice#1@1"),
+    ):
+        status, out, err = run_cli(capsys, "--db", str(db), *argv)
+        assert (status, out) == (2, ""), argv
+        assert err.startswith("tactmem: usage: NS#ID names team memory") and err.count("\n") == 1
+    assert not db.exists() and not db.parent.exists()
+
+
+def test_a_dribbling_server_never_holds_the_command_line(tmp_path: Path) -> None:
+    """Issue 25: behind a server that sends its headers a byte every quarter second, `tactmem
+    scan` waited 65 s and a `tactmem tool` scan never answered. Each now fails within its
+    deadline (2 s a request; the session and the scan: two), in a real process."""
+    (tmp_path / "work").mkdir()
+    stub = StubServer({"session": (200, SLOW_HEADER, SESSION[2]),
+                       "memories/scan": (200, SLOW_HEADER, scan_of(card(1)))})  # fmt: skip
+    stub.dribbles.update({"session": 0.25, "memories/scan": 0.25})
+    config = team_config(tmp_path, stub.url, ["work"])
+    try:
+        started = time.monotonic()
+        scan = run_in(tmp_path / "work", config, "scan", "releases")
+        assert (scan.returncode, scan.stdout) == (1, "")
+        assert scan.stderr == "tactmem: remote memory request failed or timed out\n"
+        request = json_lines({"operation": "scan", "query": "releases"})
+        tool = run_in(tmp_path / "work", config, "tool", stdin=request)
+        assert json.loads(tool.stdout)["error"]["code"] == "remote_unavailable"
+        stub.dribbles.pop("session")  # the session answers; the scan dribbles
+        scan = run_in(tmp_path / "work", config, "--json", "scan", "releases")
+        assert json.loads(scan.stdout)["error"]["code"] == "remote_unavailable"
+        assert time.monotonic() - started < 30  # three commands, each within 2 s or 4 s
+        assert stub.hits["memories/scan"] == 1
+    finally:
+        stub.close()
 
 
 def test_cli_workspace_roots_take_in_linked_git_worktrees(tmp_path: Path) -> None:
