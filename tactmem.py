@@ -5664,6 +5664,7 @@ class _Deadline:
 
     def __init__(self, seconds: float) -> None:
         self.expired = False
+        self.end = time.monotonic() + seconds
         self._lock = threading.Lock()
         self._socket: Any = None
         self._timer = threading.Timer(seconds, self._expire)
@@ -5691,6 +5692,31 @@ class _Deadline:
         if self._socket is not None:  # the plain socket's call, for a TLS socket too
             with contextlib.suppress(OSError):
                 socket.socket.shutdown(self._socket, socket.SHUT_RDWR)
+
+
+def _addresses(host: str, port: int, deadline: _Deadline) -> list[Any]:
+    """`socket.getaddrinfo` within `deadline`: a resolver that has not answered by then is a
+    connection that could not be opened (the lookup ends in its own daemon thread)."""
+    import socket
+
+    found: list[Any] = []
+    done = threading.Event()
+
+    def look_up() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except (OSError, UnicodeError) as error:  # UnicodeError: a name IDNA cannot encode
+            found.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=look_up, daemon=True).start()
+    if not done.wait(max(0.0, deadline.end - time.monotonic())):
+        raise TimeoutError("name lookup")
+    if isinstance(found[0], BaseException):
+        raise found[0]
+    addresses: list[Any] = found[0]
+    return addresses
 
 
 class RemoteStore:
@@ -5985,9 +6011,7 @@ class RemoteStore:
         import socket
 
         failure: OSError = ConnectionError("no address")
-        for family, kind, protocol, _, address in socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM
-        ):
+        for family, kind, protocol, _, address in _addresses(host, port, deadline):
             sock = socket.socket(family, kind, protocol)
             deadline.watch(sock)
             sock.settimeout(self._timeouts[0])

@@ -6682,6 +6682,30 @@ def test_remote_store_deadline_holds_in_a_slow_body_and_on_a_retry() -> None:
         stub.close()
 
 
+def test_remote_store_deadline_holds_while_the_name_is_looked_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A resolver that never answers (as one behind a dead DNS server) is a connection that
+    could not be opened within each attempt's deadline; the stand-in blocks the lookup only."""
+    import socket
+
+    released = threading.Event()
+
+    def unanswered(*_: object, **__: object) -> Any:
+        released.wait(120)
+        raise socket.gaierror("no answer")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unanswered)
+    store = tactmem.RemoteStore("https://team.example.com", "alice", ALICE_TOKEN, timeout_s=1.0)
+    started = time.monotonic()
+    try:
+        with pytest.raises(tactmem.RemoteUnavailable, match="could not be reached"):
+            store.scan("releases")
+        assert time.monotonic() - started < 10  # three attempts of 1 s and two backoffs
+    finally:
+        released.set()
+
+
 def test_remote_store_verifies_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server whose certificate no trusted authority signed is refused, before any request;
     once the certificate is trusted (`SSL_CERT_FILE`, read by the default context), it works."""
