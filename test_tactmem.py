@@ -7344,6 +7344,43 @@ def test_push_refuses_namespace_facts_out_of_shape(
         stub.close()
 
 
+def test_push_says_a_namespace_with_no_id_left_is_full_not_its_content(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The namespace's allocator is at 2^63 - 1: no new record can have an id. The refusal
+    said "memory content capacity of 262144 bytes was reached" (`_Push.allocate`)."""
+    (tmp_path / "work").mkdir()
+    facts = dict(zip(tactmem._FACTS, ("5", str(2**63 - 1), "0"), strict=True))
+    stub = StubServer({"session": SESSION, "memories/export": exporting(headers=facts)})
+    try:
+        config = team_config(tmp_path, stub.url, ["work"])
+        with Store(memory_db_path(config)) as local:
+            local.put("The first local conclusion.")
+        status, _, err = run_cli(capsys, "--config", str(config), "push")
+        assert status == 1 and stub.hits["memories/sync"] == 0
+        assert "content capacity" not in err and "capacity was reached" in err, err
+    finally:
+        stub.close()
+
+
+def test_a_forced_dry_run_says_what_force_does_to_hidden_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`push --dry-run --force` plans the forced push (exit 0: it would not be refused) and
+    said of the hidden rows "a push would delete them, so it needs --force"."""
+    (tmp_path / "work").mkdir()
+    facts = dict(zip(tactmem._FACTS, ("5", "9", "2"), strict=True))
+    stub = StubServer({"session": SESSION,
+                       "memories/export": exporting(wire(2, "Shown."), headers=facts)})  # fmt: skip
+    try:
+        config = team_config(tmp_path, stub.url, ["work"])
+        status, out, _ = run_cli(capsys, "--config", str(config), "push", "--dry-run", "--force")
+        assert status == 0 and "  delete    alice#2\n" in out
+        assert "  hidden    1 records of `alice`" in out and "deleted by --force" in out, out
+    finally:
+        stub.close()
+
+
 def test_the_team_links_file_is_checked_and_shared(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
