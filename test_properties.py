@@ -1560,9 +1560,24 @@ def test_a_push_never_rewrites_a_key_nor_touches_what_it_has_not_seen(
         assert wanted == {normalized_identity(r.content) for r in plan.snapshot}
 
 
+def _seen(doc_id: int, version: int, text: str, *, team: bool = False) -> Record:
+    key = tactmem.RemoteKey(doc_id, version, "alice") if team else Key(doc_id, version)
+    return Record(key, text, 5, 5, None, 0, None, 0, 1_000)
+
+
 @given(
     _records(False), _records(True), _links, _links, st.none() | st.integers(7, 9), st.booleans()
 )
+@example(  # a pending insert of alice#1 may have landed: no server allocator to say it did not
+    [_seen(1, 1, _TEXTS[0])], [], [],
+    [tactmem._Link(1, 1, tactmem._digest(_TEXTS[0]), "alice", 1, 1, tactmem._digest(_TEXTS[1]))],
+    None, False,
+)  # fmt: skip
+@example(  # this store saw alice#3 v3; the team's went back to v1; --force wrote v2
+    [_seen(1, 2, _TEXTS[1])], [_seen(3, 1, _TEXTS[2], team=True)],
+    [tactmem._Link(1, 1, tactmem._digest(_TEXTS[0]), "alice", 3, 3, tactmem._digest(_TEXTS[0]))],
+    [], None, True,
+)  # fmt: skip
 def test_a_push_writes_each_team_id_above_every_version_this_store_saw(
     local: list[Record], remote: list[Record], links: list[Any], pending: list[Any],
     next_id: int | None, force: bool,
