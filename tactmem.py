@@ -4223,9 +4223,16 @@ class _Push:
     """`_plan_push` at work: what each team id becomes (None: deleted), the new links, and
     what the plan reports."""
 
-    def __init__(self, remote: Sequence[Record], namespace: str, force: bool) -> None:
+    def __init__(
+        self, remote: Sequence[Record], namespace: str, force: bool, known: Iterable[_Link]
+    ) -> None:
         self.there = {record.key.id: record for record in remote}
         self.namespace, self.force = namespace, force
+        self.highest: dict[int, int] = {}  # team id -> the highest version a link of it saw
+        for link in known:
+            if link.namespace == namespace:
+                seen = self.highest.get(link.remote_id, 0)
+                self.highest[link.remote_id] = max(seen, link.remote_version)
         self.result: dict[int, Record | None] = dict(self.there)
         self.replaced: set[int] = set()  # team ids given a new version
         self.new: list[Record] = []  # local records that need a team id
@@ -4333,11 +4340,14 @@ class _Push:
             self.replace(team, mine)
 
     def replace(self, team: Record, mine: Record) -> None:
-        if team.key.version >= _MAX_SQL_INT:
+        """The team record's next version: above the team's and every one this store saw of it
+        (the original's client may have synced an older one back since)."""
+        version = max(team.key.version, self.highest.get(team.key.id, 0))
+        if version >= _MAX_SQL_INT:
             self.report["conflicts"].append((team.key.id, _NO_VERSION))
             return
         self.replaced.add(team.key.id)
-        self.put(Key(team.key.id, team.key.version + 1), mine, "replaced")
+        self.put(Key(team.key.id, version + 1), mine, "replaced")
 
     def put(self, key: Key, mine: Record, verb: str = "inserted") -> None:
         self.result[key.id] = attrs.evolve(mine, key=key)
@@ -4436,7 +4446,7 @@ def _plan_push(
     and may have failed to confirm (a crash), count only where the team record is as they
     say. `next_id`: the namespace's allocator, when the server tells it."""
     here = {record.key.id: record for record in local}
-    push = _Push(remote, namespace, force)
+    push = _Push(remote, namespace, force, [*links, *pending])
     chosen, copies = _chosen_links(push, here, links, pending)
     push.links += copies
     foreign = {link.local_id for link in copies}
@@ -4449,8 +4459,10 @@ def _plan_push(
         if local_id not in here:
             push.forget(link, claimed)
     unseen = push.unseen(linked)
-    own = {link.remote_id for link in links if link.namespace == namespace}
-    push.allocate(linked | own, next_id)
+    known = {link.remote_id for link in links if link.namespace == namespace}
+    if next_id is None:  # no allocator to ask: a pending sync may have landed, then been undone
+        known |= {link.remote_id for link in pending if link.namespace == namespace}
+    push.allocate(linked | known, next_id)
     return push.plan(len(foreign), unseen)
 
 
