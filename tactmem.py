@@ -4385,7 +4385,7 @@ class _Push:
             if team_id < floor or team_id in taken:
                 team_id = next(i for i in spare if i not in taken)
             if team_id >= _MAX_SQL_INT:
-                raise ContentCapacity(_DEFAULT_LIMITS.total_content_bytes)  # no id left
+                raise DatabaseCapacity()  # the namespace has no id left
             taken.add(team_id)
             self.put(Key(team_id, mine.key.version), mine)
 
@@ -6814,6 +6814,7 @@ def _push_command(store: Store, arguments: argparse.Namespace, config: Config | 
     with RemoteStore.from_config(remote) as team, _TeamLinks(store.path, remote) as file:
         if team.session() != "writer" and not arguments.dry_run:
             raise RemoteDenied("remote memory credential is read-only; push needs a writer")
+        sent = False  # whether a pass's sync landed (then a refusal has changed something)
         for _ in range(3):
             records = store.list()
             links, pending = file.load(records)
@@ -6828,10 +6829,10 @@ def _push_command(store: Store, arguments: argparse.Namespace, config: Config | 
             hidden = dropped if facts is None else max(0, facts.records - len(remote_records))
             refused = bool(plan.conflicts) or (hidden > 0 and not arguments.force)
             if arguments.dry_run:
-                _print_push_plan(plan, hidden, remote.namespace, arguments.json)
+                _print_push_plan(plan, hidden, remote.namespace, arguments.json, arguments.force)
                 return 1 if refused else 0
             if refused:
-                raise Conflict(_push_refusal(plan, hidden, remote.namespace))
+                raise Conflict(_push_refusal(plan, hidden, remote.namespace, sent))
             file.save(links, pending=plan.links)
             try:
                 report = team.sync(
@@ -6841,6 +6842,7 @@ def _push_command(store: Store, arguments: argparse.Namespace, config: Config | 
                 if facts is None:
                     raise
                 continue  # the namespace changed since the export: plan again
+            sent = True
             file.save(plan.links)
             if facts is None:
                 _check_unguarded(plan, report, hidden if arguments.force else 0)
@@ -6893,7 +6895,9 @@ def _plan_json(plan: _PushPlan, hidden: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _print_push_plan(plan: _PushPlan, hidden: int, namespace: str, as_json: bool) -> None:
+def _print_push_plan(
+    plan: _PushPlan, hidden: int, namespace: str, as_json: bool, force: bool
+) -> None:
     size = sum(len(record.content.encode()) for record in plan.snapshot)
     if as_json:
         print(_json({"dry_run": True, "namespace": namespace, "records": len(plan.snapshot),
@@ -6908,13 +6912,14 @@ def _print_push_plan(plan: _PushPlan, hidden: int, namespace: str, as_json: bool
     print(f"  replace   {_pair_list(plan.replaced, namespace)}")
     print(f"  delete    {_team_list(namespace, plan.deleted)}")
     print(f"  conflict  {conflicts or 'none'}")
-    for line in _push_notes(plan, hidden, namespace, force=False):
+    for line in _push_notes(plan, hidden, namespace, force):
         print(line)
     print(f"The namespace would then hold {len(plan.snapshot)} memories ({size} content bytes).")
 
 
-def _push_refusal(plan: _PushPlan, hidden: int, namespace: str) -> str:
-    """One line naming the conflicts (ids and what happened, at most eight) and counts."""
+def _push_refusal(plan: _PushPlan, hidden: int, namespace: str, sent: bool) -> str:
+    """One line naming the conflicts (ids and what happened, at most eight) and counts; `sent`:
+    an earlier pass of this push landed (the local store changed while it was sent)."""
     named = [f"{namespace}#{team_id}: {why}" for team_id, why in plan.conflicts[:8]]
     more = len(plan.conflicts) - len(named)
     reasons = "; ".join(named) + (f"; and {more} more" if more > 0 else "")
@@ -6924,8 +6929,14 @@ def _push_refusal(plan: _PushPlan, hidden: int, namespace: str) -> str:
             f"the server holds {hidden} records of `{namespace}` that it does not show, which"
             " a push would delete"
         )
+    done = (
+        "push refused after an earlier pass of it was sent (the local store changed meanwhile);"
+        " nothing more was changed"
+        if sent
+        else "push refused, nothing was changed"
+    )
     return (
-        f"push refused, nothing was changed: {'; '.join(parts)} (`tactmem push --dry-run`"
+        f"{done}: {'; '.join(parts)} (`tactmem push --dry-run`"
         " shows the plan; `tactmem pull` fetches the server's records; `push --force` makes"
         " the namespace this store's records)"
     )
