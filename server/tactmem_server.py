@@ -1103,7 +1103,10 @@ class TeamStore:
         """One page in `(namespace, id)` order, numeric ids, strictly after the cursor, of the
         rows `_served` admits; the next cursor only when a record follows (rows are fetched
         until one more than the page is found, or none is left). And `_facts` of `own`, the
-        caller's namespace, as the page was read."""
+        caller's namespace, as the page was read: read before and after it, and the page read
+        again if they differ (on PostgreSQL a write that commits between two statements of one
+        transaction is in the second only; a push would plan against the page and pass the
+        guard with the newer counter, undoing that write)."""
 
         def rows_after(tx: _Tx, after: tuple[str, int] | None, count: int) -> list[Any]:
             where: list[str] = ["1 = 1"]
@@ -1122,6 +1125,7 @@ class TeamStore:
 
         def operation(tx: _Tx) -> tuple[dict[str, Any], tuple[int, int, int]]:
             self._prune(tx, now_ms)
+            facts = self._facts(tx, own)
             page: list[tuple[str, Record]] = []
             after, wanted = cursor, limit + 1
             while wanted:
@@ -1134,7 +1138,9 @@ class TeamStore:
             next_cursor = (
                 None if last is None else {"namespace": last["namespace"], "id": last["id"]}
             )
-            return {"memories": memories, "next_cursor": next_cursor}, self._facts(tx, own)
+            if self._facts(tx, own) != facts:
+                raise _Again()
+            return {"memories": memories, "next_cursor": next_cursor}, facts
 
         result: tuple[dict[str, Any], tuple[int, int, int]] = self._run(deadline, operation)
         return result
