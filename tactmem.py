@@ -4235,6 +4235,7 @@ class _Push:
                 self.highest[link.remote_id] = max(seen, link.remote_version)
         self.result: dict[int, Record | None] = dict(self.there)
         self.replaced: set[int] = set()  # team ids given a new version
+        self.held: set[int] = set()  # team ids a record here holds as the team does (`follow`)
         self.new: list[Record] = []  # local records that need a team id
         self.links: list[_Link] = []
         self.report: dict[str, list[Any]] = defaultdict(list)
@@ -4247,10 +4248,14 @@ class _Push:
         )  # fmt: skip
 
     def change(self, link: _Link, mine: Record) -> None:
-        """A record replaced here since its link: the team's gets its content."""
+        """A record replaced here since its link: the team's gets its content. Where the team's
+        changed too, another record here may hold its new version (a pull brought it): this
+        one is then a record of its own."""
         team = self.there.get(link.remote_id)
         if team is None:
             self.conflict(link.remote_id, _CHANGED_GONE, mine)
+        elif not self.as_seen(link) and team.key.id in self.held:
+            self.new.append(mine)
         elif not self.as_seen(link):
             self.conflict(team.key.id, _CHANGED_BOTH, mine)
         elif team.key.id in self.replaced:
@@ -4279,6 +4284,7 @@ class _Push:
         linked = [record for record in mine if record.key.id in chosen]
         changed = {r.key.id for r in linked if r.key.version != chosen[r.key.id].local_version}
         seen = {link.remote_id for link in chosen.values() if self.as_seen(link)}
+        self.held = {chosen[r.key.id].remote_id for r in linked if self.as_seen(chosen[r.key.id])}
         for record in linked:
             if record.key.id in changed:
                 self.change(chosen[record.key.id], record)
@@ -4286,11 +4292,14 @@ class _Push:
             if record.key.id not in changed:
                 self.keep(chosen[record.key.id], record, seen)
 
-    def add_all(self, mine: Sequence[Record], linked: set[int]) -> None:
+    def add_all(self, mine: Sequence[Record]) -> None:
+        """The records with no link, after `follow`: each may hold the conclusion of a team
+        record that no record here holds as it is now (one no link names, or one a stale link
+        names, changed on the server since)."""
         identities = {
             normalized_identity(team.content): team.key.id
             for team in self.there.values()
-            if team.key.id not in linked
+            if team.key.id not in self.held | self.replaced
         }
         for record in mine:
             self.add(record, identities)
@@ -4453,8 +4462,11 @@ def _plan_push(
     mine = [record for record in local if record.key.id not in foreign]
     push.follow(mine, chosen)
     linked = {link.remote_id for link in chosen.values()}
-    push.add_all([record for record in mine if record.key.id not in chosen], linked)
-    claimed = {link.remote_id for local_id, link in chosen.items() if local_id in here}
+    push.add_all([record for record in mine if record.key.id not in chosen])
+    claimed = {link.remote_id for local_id, link in chosen.items() if local_id in here} | {
+        link.remote_id for link in push.links if link.local_id in here
+        and link.namespace == namespace
+    }  # fmt: skip
     for local_id, link in chosen.items():
         if local_id not in here:
             push.forget(link, claimed)

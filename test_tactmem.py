@@ -7127,6 +7127,36 @@ def test_push_plan_calls_other_content_at_a_seen_version_a_conflict() -> None:
     assert after_pull.snapshot == (rewritten,) and not after_pull.conflicts
 
 
+def test_push_plan_after_a_pull_sends_a_record_changed_on_both_sides_as_one_of_its_own() -> None:
+    """Changed here and on the server is a conflict until a pull brings the server's version in
+    (README): then this store holds both, and so does the team."""
+    ours = team_at(5, "Text this store saw.")
+    mine, edited = local_record(1, ours.content), local_record(1, "Edited here.", 2)
+    there = team_at(5, "Edited on the server.", 2)
+    assert plan_push([edited], [there], [linked(mine, ours)]).conflicts == (
+        (5, "changed here and on the server"),
+    )  # fmt: skip
+    pulled = local_record(2, there.content)
+    plan = plan_push([edited, pulled], [there], [linked(mine, ours), linked(pulled, there)])
+    assert not plan.conflicts and plan.inserted == ((1, 6),)
+    assert keys_of(plan) == [(5, 2, there.content), (6, 2, "Edited here.")]
+
+
+def test_push_plan_links_the_teams_current_text_held_here_beside_a_stale_link() -> None:
+    """A link that the team's change left behind does not hide the team record from a record
+    here that holds its new conclusion (a pull skips it: the store holds it); nor does a
+    record deleted here whose conclusion was stored here again."""
+    ours, there = team_at(5, "Text A."), team_at(5, "Text B.", 2)
+    stale = local_record(1, ours.content)
+    plan = plan_push([stale, local_record(2, "text b.")], [there], [linked(stale, ours)])
+    assert plan.snapshot == (there,) and not plan.conflicts and not plan.inserted
+    again = local_record(2, "text a.")  # #1 deleted here, then the same conclusion stored
+    for force in (False, True):
+        kept = plan_push([again], [ours], [linked(stale, ours)], force=force)
+        assert kept.snapshot == (ours,) and kept.deleted == () and not kept.conflicts
+        assert [(link.local_id, link.remote_id) for link in kept.links] == [(2, 5)]
+
+
 def test_push_plan_finds_a_team_record_by_its_conclusion() -> None:
     """A record pushed before links existed (or by an older tactmem) is the same conclusion:
     linked, not sent twice."""
