@@ -121,9 +121,9 @@ def test_a_read_on_the_server_during_a_push_is_not_undone(
     start: Callable[..., Server], relay_to: Callable[[Server], Relay], tmp_path: pathlib.Path
 ) -> None:
     """An agent reads bob#1 on the server (use_count 1, off probation) after the push's export
-    and before its sync. Reads do not move the change counter, so the guarded sync lands and
-    writes the export's telemetry back: the read is undone, and bob#1 is on probation again, to
-    be dropped at its end though an agent used it ("counts never go down")."""
+    and before its sync. Reads do not move the change counter, so the guarded sync lands; it
+    wrote the export's telemetry back (the read undone, bob#1 on probation again, to be dropped
+    at its end though an agent used it) until the server kept such reads (`keep_reads`)."""
     server = start()
     relay = relay_to(server)
     bob = Member(tmp_path, "bob", relay.url)
@@ -147,8 +147,9 @@ def test_an_export_racing_a_replace_on_postgres_never_reverts_it(
 ) -> None:  # fmt: skip
     """On PostgreSQL (READ COMMITTED) the export reads its page and then, in later statements,
     the namespace's facts. A replace of bob#1 that commits between the two is in the counter and
-    not in the page: the push plans against bob#1 v1, its guarded sync lands, and bob#1 goes back
-    to v1: the key bob#1 v2 that the replacing agent holds now names nothing. (The replace is
+    not in the page: the push planned against bob#1 v1, its guarded sync landed, and bob#1 went
+    back to v1: the key bob#1 v2 that the replacing agent holds named nothing. Now the export
+    reads the facts before and after its page, and reads again if they differ. (The replace is
     made, as the server's put makes it, by a connection that holds `memory_namespaces` locked
     until it commits, so the export is held exactly between its page and its facts.)"""
     import psycopg
@@ -198,8 +199,9 @@ def test_a_pull_settles_a_record_changed_here_and_on_the_server(
 ) -> None:
     """README: a push refused for a conflict; "`tactmem pull` then brings the server's version in
     as a record of its own (linked, so it is not a conflict again)". For a record changed here
-    and on the server, the push after the pull is refused again, and stays refused: `_Push.change`
-    never asks whether this store has now seen the team's version."""
+    and on the server, the push after the pull was refused again, and stayed refused
+    (`_Push.change` never asked whether a record here holds the team's version): now this
+    store's version goes to the team as a record of its own."""
     server = start()
     bob = Member(tmp_path, "bob", server.url)
     bob("put", TABS)
@@ -222,10 +224,10 @@ def test_a_stale_copy_and_the_teams_new_text_held_here_never_block_every_push(
 ) -> None:
     """Two machines of one user share namespace `bob`. The desktop pulls bob#1; the laptop
     replaces it (bob#1 v2); the desktop's agent then stores that same conclusion. The desktop's
-    push plans its record as a new team record beside bob#1 v2 (the identity match skips team
-    records any link names, even a stale one) and refuses "the same conclusion as bob#1" - with
-    `--force` too (`_Push.plan` refuses it whatever `force` says), and a pull cannot help (it
-    skips a conclusion the store holds). No push from the desktop can ever succeed."""
+    push planned its record as a new team record beside bob#1 v2 (the identity match skipped
+    team records any link names, even a stale one) and refused "the same conclusion as bob#1" -
+    with `--force` too (`_Push.plan` refuses it whatever `force` says), and a pull cannot help
+    (it skips a conclusion the store holds): no push from the desktop could ever succeed."""
     server = start()
     laptop = Member(tmp_path / "laptop", "bob", server.url)
     desktop = Member(tmp_path / "desktop", "bob", server.url)
@@ -248,10 +250,10 @@ def test_push_force_never_gives_a_version_this_store_saw_other_content(
     start: Callable[..., Server], tmp_path: pathlib.Path
 ) -> None:
     """Bob's pushes took bob#1 to v3. The original's client (whose sync the server must accept
-    unguarded) then writes bob#1 back at v1. A `--force` push of bob's next edit replaces the
-    team record "at the team's next version": v2, a key that named "A2" when this store pushed
-    it. `--force` promises a new version, never a key with other content; the version must go
-    above every one this store saw (`_Push.replace` counts from the team's only)."""
+    unguarded) then writes bob#1 back at v1. A `--force` push of bob's next edit replaced the
+    team record "at the team's next version": v2, a key that named "Alpha two." when this store
+    pushed it. `--force` promises a new version, never a key with other content, so the version
+    goes above every one this store saw (`_Push.replace` counted from the team's only)."""
     server = start()
     bob = Member(tmp_path, "bob", server.url)
     bob("put", "Alpha one.")
@@ -302,8 +304,8 @@ def test_a_refusal_after_a_pass_that_landed_does_not_say_nothing_was_changed(
     start: Callable[..., Server], relay_to: Callable[[Server], Relay], tmp_path: pathlib.Path
 ) -> None:
     """A push's first pass lands (bob#2 inserted); meanwhile bob replaces #1 here and an agent
-    replaces bob#1 there, so the second pass is refused, with "push refused, nothing was
-    changed" - but the first pass changed the namespace."""
+    replaces bob#1 there, so the second pass is refused. It said "push refused, nothing was
+    changed", but the first pass had changed the namespace."""
     server = start()
     relay = relay_to(server)
     bob = Member(tmp_path, "bob", relay.url)
