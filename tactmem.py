@@ -4230,11 +4230,19 @@ class _Push:
     """`_plan_push` at work: what each team id becomes (None: deleted), the new links, and
     what the plan reports."""
 
-    def __init__(self, remote: Sequence[Record], namespace: str, force: bool) -> None:
+    def __init__(
+        self, remote: Sequence[Record], namespace: str, force: bool, known: Iterable[_Link]
+    ) -> None:
         self.there = {record.key.id: record for record in remote}
         self.namespace, self.force = namespace, force
+        self.highest: dict[int, int] = {}  # team id -> the highest version a link of it saw
+        for link in known:
+            if link.namespace == namespace:
+                seen = self.highest.get(link.remote_id, 0)
+                self.highest[link.remote_id] = max(seen, link.remote_version)
         self.result: dict[int, Record | None] = dict(self.there)
         self.replaced: set[int] = set()  # team ids given a new version
+        self.held: set[int] = set()  # team ids a record here holds as the team does (`follow`)
         self.new: list[Record] = []  # local records that need a team id
         self.links: list[_Link] = []
         self.report: dict[str, list[Any]] = defaultdict(list)
@@ -4247,10 +4255,14 @@ class _Push:
         )  # fmt: skip
 
     def change(self, link: _Link, mine: Record) -> None:
-        """A record replaced here since its link: the team's gets its content."""
+        """A record replaced here since its link: the team's gets its content. Where the team's
+        changed too, another record here may hold its new version (a pull brought it): this
+        one is then a record of its own."""
         team = self.there.get(link.remote_id)
         if team is None:
             self.conflict(link.remote_id, _CHANGED_GONE, mine)
+        elif not self.as_seen(link) and team.key.id in self.held:
+            self.new.append(mine)
         elif not self.as_seen(link):
             self.conflict(team.key.id, _CHANGED_BOTH, mine)
         elif team.key.id in self.replaced:
@@ -4279,6 +4291,7 @@ class _Push:
         linked = [record for record in mine if record.key.id in chosen]
         changed = {r.key.id for r in linked if r.key.version != chosen[r.key.id].local_version}
         seen = {link.remote_id for link in chosen.values() if self.as_seen(link)}
+        self.held = {chosen[r.key.id].remote_id for r in linked if self.as_seen(chosen[r.key.id])}
         for record in linked:
             if record.key.id in changed:
                 self.change(chosen[record.key.id], record)
@@ -4286,11 +4299,14 @@ class _Push:
             if record.key.id not in changed:
                 self.keep(chosen[record.key.id], record, seen)
 
-    def add_all(self, mine: Sequence[Record], linked: set[int]) -> None:
+    def add_all(self, mine: Sequence[Record]) -> None:
+        """The records with no link, after `follow`: each may hold the conclusion of a team
+        record that no record here holds as it is now (one no link names, or one a stale link
+        names, changed on the server since)."""
         identities = {
             normalized_identity(team.content): team.key.id
             for team in self.there.values()
-            if team.key.id not in linked
+            if team.key.id not in self.held | self.replaced
         }
         for record in mine:
             self.add(record, identities)
@@ -4340,11 +4356,14 @@ class _Push:
             self.replace(team, mine)
 
     def replace(self, team: Record, mine: Record) -> None:
-        if team.key.version >= _MAX_SQL_INT:
+        """The team record's next version: above the team's and every one this store saw of it
+        (the original's client may have synced an older one back since)."""
+        version = max(team.key.version, self.highest.get(team.key.id, 0))
+        if version >= _MAX_SQL_INT:
             self.report["conflicts"].append((team.key.id, _NO_VERSION))
             return
         self.replaced.add(team.key.id)
-        self.put(Key(team.key.id, team.key.version + 1), mine, "replaced")
+        self.put(Key(team.key.id, version + 1), mine, "replaced")
 
     def put(self, key: Key, mine: Record, verb: str = "inserted") -> None:
         self.result[key.id] = attrs.evolve(mine, key=key)
@@ -4382,7 +4401,7 @@ class _Push:
             if team_id < floor or team_id in taken:
                 team_id = next(i for i in spare if i not in taken)
             if team_id >= _MAX_SQL_INT:
-                raise ContentCapacity(_DEFAULT_LIMITS.total_content_bytes)  # no id left
+                raise DatabaseCapacity()  # the namespace has no id left
             taken.add(team_id)
             self.put(Key(team_id, mine.key.version), mine)
 
@@ -4443,21 +4462,26 @@ def _plan_push(
     and may have failed to confirm (a crash), count only where the team record is as they
     say. `next_id`: the namespace's allocator, when the server tells it."""
     here = {record.key.id: record for record in local}
-    push = _Push(remote, namespace, force)
+    push = _Push(remote, namespace, force, [*links, *pending])
     chosen, copies = _chosen_links(push, here, links, pending)
     push.links += copies
     foreign = {link.local_id for link in copies}
     mine = [record for record in local if record.key.id not in foreign]
     push.follow(mine, chosen)
     linked = {link.remote_id for link in chosen.values()}
-    push.add_all([record for record in mine if record.key.id not in chosen], linked)
-    claimed = {link.remote_id for local_id, link in chosen.items() if local_id in here}
+    push.add_all([record for record in mine if record.key.id not in chosen])
+    claimed = {link.remote_id for local_id, link in chosen.items() if local_id in here} | {
+        link.remote_id for link in push.links if link.local_id in here
+        and link.namespace == namespace
+    }  # fmt: skip
     for local_id, link in chosen.items():
         if local_id not in here:
             push.forget(link, claimed)
     unseen = push.unseen(linked)
-    own = {link.remote_id for link in links if link.namespace == namespace}
-    push.allocate(linked | own, next_id)
+    known = {link.remote_id for link in links if link.namespace == namespace}
+    if next_id is None:  # no allocator to ask: a pending sync may have landed, then been undone
+        known |= {link.remote_id for link in pending if link.namespace == namespace}
+    push.allocate(linked | known, next_id)
     return push.plan(len(foreign), unseen)
 
 
@@ -7109,6 +7133,7 @@ def _push_command(store: Store, arguments: argparse.Namespace, config: Config | 
     with RemoteStore.from_config(remote) as team, _TeamLinks(store.path, remote) as file:
         if team.session() != "writer" and not arguments.dry_run:
             raise RemoteDenied("remote memory credential is read-only; push needs a writer")
+        sent = False  # whether a pass's sync landed (then a refusal has changed something)
         for _ in range(3):
             records = store.list()
             links, pending = file.load(records)
@@ -7123,10 +7148,10 @@ def _push_command(store: Store, arguments: argparse.Namespace, config: Config | 
             hidden = dropped if facts is None else max(0, facts.records - len(remote_records))
             refused = bool(plan.conflicts) or (hidden > 0 and not arguments.force)
             if arguments.dry_run:
-                _print_push_plan(plan, hidden, remote.namespace, arguments.json)
+                _print_push_plan(plan, hidden, remote.namespace, arguments.json, arguments.force)
                 return 1 if refused else 0
             if refused:
-                raise Conflict(_push_refusal(plan, hidden, remote.namespace))
+                raise Conflict(_push_refusal(plan, hidden, remote.namespace, sent))
             file.save(links, pending=plan.links)
             try:
                 report = team.sync(
@@ -7136,6 +7161,7 @@ def _push_command(store: Store, arguments: argparse.Namespace, config: Config | 
                 if facts is None:
                     raise
                 continue  # the namespace changed since the export: plan again
+            sent = True
             file.save(plan.links)
             if facts is None:
                 _check_unguarded(plan, report, hidden if arguments.force else 0)
@@ -7188,7 +7214,9 @@ def _plan_json(plan: _PushPlan, hidden: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _print_push_plan(plan: _PushPlan, hidden: int, namespace: str, as_json: bool) -> None:
+def _print_push_plan(
+    plan: _PushPlan, hidden: int, namespace: str, as_json: bool, force: bool
+) -> None:
     size = sum(len(record.content.encode()) for record in plan.snapshot)
     if as_json:
         print(_json({"dry_run": True, "namespace": namespace, "records": len(plan.snapshot),
@@ -7203,13 +7231,14 @@ def _print_push_plan(plan: _PushPlan, hidden: int, namespace: str, as_json: bool
     print(f"  replace   {_pair_list(plan.replaced, namespace)}")
     print(f"  delete    {_team_list(namespace, plan.deleted)}")
     print(f"  conflict  {conflicts or 'none'}")
-    for line in _push_notes(plan, hidden, namespace, force=False):
+    for line in _push_notes(plan, hidden, namespace, force):
         print(line)
     print(f"The namespace would then hold {len(plan.snapshot)} memories ({size} content bytes).")
 
 
-def _push_refusal(plan: _PushPlan, hidden: int, namespace: str) -> str:
-    """One line naming the conflicts (ids and what happened, at most eight) and counts."""
+def _push_refusal(plan: _PushPlan, hidden: int, namespace: str, sent: bool) -> str:
+    """One line naming the conflicts (ids and what happened, at most eight) and counts; `sent`:
+    an earlier pass of this push landed (the local store changed while it was sent)."""
     named = [f"{namespace}#{team_id}: {why}" for team_id, why in plan.conflicts[:8]]
     more = len(plan.conflicts) - len(named)
     reasons = "; ".join(named) + (f"; and {more} more" if more > 0 else "")
@@ -7219,8 +7248,14 @@ def _push_refusal(plan: _PushPlan, hidden: int, namespace: str) -> str:
             f"the server holds {hidden} records of `{namespace}` that it does not show, which"
             " a push would delete"
         )
+    done = (
+        "push refused after an earlier pass of it was sent (the local store changed meanwhile);"
+        " nothing more was changed"
+        if sent
+        else "push refused, nothing was changed"
+    )
     return (
-        f"push refused, nothing was changed: {'; '.join(parts)} (`tactmem push --dry-run`"
+        f"{done}: {'; '.join(parts)} (`tactmem push --dry-run`"
         " shows the plan; `tactmem pull` fetches the server's records; `push --force` makes"
         " the namespace this store's records)"
     )

@@ -1560,6 +1560,52 @@ def test_a_push_never_rewrites_a_key_nor_touches_what_it_has_not_seen(
         assert wanted == {normalized_identity(r.content) for r in plan.snapshot}
 
 
+def _seen(doc_id: int, version: int, text: str, *, team: bool = False) -> Record:
+    key = tactmem.RemoteKey(doc_id, version, "alice") if team else Key(doc_id, version)
+    return Record(key, text, 5, 5, None, 0, None, 0, 1_000)
+
+
+@given(
+    _records(False), _records(True), _links, _links, st.none() | st.integers(7, 9), st.booleans()
+)
+@example(  # a pending insert of alice#1 may have landed: no server allocator to say it did not
+    [_seen(1, 1, _TEXTS[0])], [], [],
+    [tactmem._Link(1, 1, tactmem._digest(_TEXTS[0]), "alice", 1, 1, tactmem._digest(_TEXTS[1]))],
+    None, False,
+)  # fmt: skip
+@example(  # this store saw alice#3 v3; the team's went back to v1; --force wrote v2
+    [_seen(1, 2, _TEXTS[1])], [_seen(3, 1, _TEXTS[2], team=True)],
+    [tactmem._Link(1, 1, tactmem._digest(_TEXTS[0]), "alice", 3, 3, tactmem._digest(_TEXTS[0]))],
+    [], None, True,
+)  # fmt: skip
+def test_a_push_writes_each_team_id_above_every_version_this_store_saw(
+    local: list[Record], remote: list[Record], links: list[Any], pending: list[Any],
+    next_id: int | None, force: bool,
+) -> None:  # fmt: skip
+    """A link says this store saw a team record at that version, so every version up to it has
+    named some content. A record the push writes (new, or other than the team holds now) goes
+    above all of them unless it is what this store saw at that very key, even where the team's
+    version went back since (the original's client may sync any versions), with `--force`
+    too."""
+    plan = tactmem._plan_push(local, remote, links, pending, "alice", next_id=next_id, force=force)
+    if plan.conflicts:
+        return
+    there = {r.key.id: r for r in remote}
+    highest: dict[int, int] = {}
+    named: set[tuple[int, int, str]] = set()
+    for link in [*links, *pending]:
+        if link.namespace == "alice":
+            highest[link.remote_id] = max(highest.get(link.remote_id, 0), link.remote_version)
+            named.add((link.remote_id, link.remote_version, link.remote_digest))
+    for record in plan.snapshot:
+        old = there.get(record.key.id)
+        if old is not None and old.key == record.key and old.content == record.content:
+            continue  # as the team holds it
+        if (record.key.id, record.key.version, tactmem._digest(record.content)) in named:
+            continue  # what this store saw at that very key
+        assert record.key.version > highest.get(record.key.id, 0), record.key
+
+
 # ================================================================================ browser
 
 

@@ -7505,6 +7505,36 @@ def test_push_plan_calls_other_content_at_a_seen_version_a_conflict() -> None:
     assert after_pull.snapshot == (rewritten,) and not after_pull.conflicts
 
 
+def test_push_plan_after_a_pull_sends_a_record_changed_on_both_sides_as_one_of_its_own() -> None:
+    """Changed here and on the server is a conflict until a pull brings the server's version in
+    (README): then this store holds both, and so does the team."""
+    ours = team_at(5, "Text this store saw.")
+    mine, edited = local_record(1, ours.content), local_record(1, "Edited here.", 2)
+    there = team_at(5, "Edited on the server.", 2)
+    assert plan_push([edited], [there], [linked(mine, ours)]).conflicts == (
+        (5, "changed here and on the server"),
+    )  # fmt: skip
+    pulled = local_record(2, there.content)
+    plan = plan_push([edited, pulled], [there], [linked(mine, ours), linked(pulled, there)])
+    assert not plan.conflicts and plan.inserted == ((1, 6),)
+    assert keys_of(plan) == [(5, 2, there.content), (6, 2, "Edited here.")]
+
+
+def test_push_plan_links_the_teams_current_text_held_here_beside_a_stale_link() -> None:
+    """A link that the team's change left behind does not hide the team record from a record
+    here that holds its new conclusion (a pull skips it: the store holds it); nor does a
+    record deleted here whose conclusion was stored here again."""
+    ours, there = team_at(5, "Text A."), team_at(5, "Text B.", 2)
+    stale = local_record(1, ours.content)
+    plan = plan_push([stale, local_record(2, "text b.")], [there], [linked(stale, ours)])
+    assert plan.snapshot == (there,) and not plan.conflicts and not plan.inserted
+    again = local_record(2, "text a.")  # #1 deleted here, then the same conclusion stored
+    for force in (False, True):
+        kept = plan_push([again], [ours], [linked(stale, ours)], force=force)
+        assert kept.snapshot == (ours,) and kept.deleted == () and not kept.conflicts
+        assert [(link.local_id, link.remote_id) for link in kept.links] == [(2, 5)]
+
+
 def test_push_plan_finds_a_team_record_by_its_conclusion() -> None:
     """A record pushed before links existed (or by an older tactmem) is the same conclusion:
     linked, not sent twice."""
@@ -7718,6 +7748,43 @@ def test_push_refuses_namespace_facts_out_of_shape(
         config = team_config(tmp_path, stub.url, ["work"])
         status, _, err = run_cli(capsys, "--config", str(config), "push")
         assert status == 1 and "invalid" in err and stub.hits["memories/sync"] == 0
+    finally:
+        stub.close()
+
+
+def test_push_says_a_namespace_with_no_id_left_is_full_not_its_content(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The namespace's allocator is at 2^63 - 1: no new record can have an id. The refusal
+    said "memory content capacity of 262144 bytes was reached" (`_Push.allocate`)."""
+    (tmp_path / "work").mkdir()
+    facts = dict(zip(tactmem._FACTS, ("5", str(2**63 - 1), "0"), strict=True))
+    stub = StubServer({"session": SESSION, "memories/export": exporting(headers=facts)})
+    try:
+        config = team_config(tmp_path, stub.url, ["work"])
+        with Store(memory_db_path(config)) as local:
+            local.put("The first local conclusion.")
+        status, _, err = run_cli(capsys, "--config", str(config), "push")
+        assert status == 1 and stub.hits["memories/sync"] == 0
+        assert "content capacity" not in err and "capacity was reached" in err, err
+    finally:
+        stub.close()
+
+
+def test_a_forced_dry_run_says_what_force_does_to_hidden_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`push --dry-run --force` plans the forced push (exit 0: it would not be refused) and
+    said of the hidden rows "a push would delete them, so it needs --force"."""
+    (tmp_path / "work").mkdir()
+    facts = dict(zip(tactmem._FACTS, ("5", "9", "2"), strict=True))
+    stub = StubServer({"session": SESSION,
+                       "memories/export": exporting(wire(2, "Shown."), headers=facts)})  # fmt: skip
+    try:
+        config = team_config(tmp_path, stub.url, ["work"])
+        status, out, _ = run_cli(capsys, "--config", str(config), "push", "--dry-run", "--force")
+        assert status == 0 and "  delete    alice#2\n" in out
+        assert "  hidden    1 records of `alice`" in out and "deleted by --force" in out, out
     finally:
         stub.close()
 

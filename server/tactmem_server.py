@@ -527,6 +527,36 @@ def plan_sync(previous: Mapping[int, Record], snapshot: Sequence[Record]) -> dic
     return report
 
 
+def keep_reads(
+    previous: Mapping[int, Record], snapshot: Sequence[tuple[Record, str]]
+) -> list[tuple[Record, str]]:
+    """A guarded sync's snapshot with the reads that landed since the export it was planned
+    from (scans and reads do not move the change counter, so the guard lets them through): a
+    record at its row's version and content keeps the row's higher counts and later times, and
+    is off probation if the row is. Otherwise a push would undo an agent's read, and put back
+    on probation a record an agent used, to be dropped at its end."""
+
+    def later(a: int | None, b: int | None) -> int | None:
+        return b if a is None else a if b is None else max(a, b)
+
+    kept = []
+    for record, identity in snapshot:
+        row = previous.get(record.key.id)
+        if row is not None and row.key == record.key and row.content == record.content:
+            record = attrs.evolve(
+                record,
+                scan_count=max(record.scan_count, row.scan_count),
+                use_count=max(record.use_count, row.use_count),
+                last_scanned_at_ms=later(record.last_scanned_at_ms, row.last_scanned_at_ms),
+                last_used_at_ms=later(record.last_used_at_ms, row.last_used_at_ms),
+                probation_until_ms=(
+                    None if row.probation_until_ms is None else record.probation_until_ms
+                ),
+            )
+        kept.append((record, identity))
+    return kept
+
+
 # ============================================================================ storage (I/O)
 
 
@@ -1056,7 +1086,8 @@ class TeamStore:
         deadline: float, if_changes: int | None = None,
     ) -> dict[str, int]:  # fmt: skip
         """The snapshot becomes the namespace; with `if_changes`, only if the namespace's
-        change counter is still that (else `Conflict`, nothing changed)."""
+        change counter is still that (else `Conflict`, nothing changed), and keeping the reads
+        that landed since (`keep_reads`)."""
 
         def operation(tx: _Tx) -> dict[str, int]:
             if if_changes is not None and self._facts(tx, namespace, lock=True)[0] != if_changes:
@@ -1064,7 +1095,8 @@ class TeamStore:
             next_id = self._prune(tx, now_ms, namespace)[namespace]
             rows = tx.rows(f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?", [namespace])
             previous = {r.key.id: r for _, r in map(_namespaced, rows)}
-            report = plan_sync(previous, [record for record, _ in snapshot])
+            sent = snapshot if if_changes is None else keep_reads(previous, snapshot)
+            report = plan_sync(previous, [record for record, _ in sent])
             tx.run("DELETE FROM memories WHERE namespace = ?", [namespace])
             tx.many(
                 _INSERT,
@@ -1077,10 +1109,10 @@ class TeamStore:
                         identity,
                         *attrs.astuple(r, recurse=False)[2:],
                     )
-                    for r, identity in snapshot
+                    for r, identity in sent
                 ],
             )
-            top = max((record.key.id for record, _ in snapshot), default=0)
+            top = max((record.key.id for record, _ in sent), default=0)
             tx.run(
                 "UPDATE memory_namespaces SET next_id = ? WHERE namespace = ?",
                 [max(next_id, top + 1), namespace],
@@ -1103,7 +1135,10 @@ class TeamStore:
         """One page in `(namespace, id)` order, numeric ids, strictly after the cursor, of the
         rows `_served` admits; the next cursor only when a record follows (rows are fetched
         until one more than the page is found, or none is left). And `_facts` of `own`, the
-        caller's namespace, as the page was read."""
+        caller's namespace, as the page was read: read before and after it, and the page read
+        again if they differ (on PostgreSQL a write that commits between two statements of one
+        transaction is in the second only; a push would plan against the page and pass the
+        guard with the newer counter, undoing that write)."""
 
         def rows_after(tx: _Tx, after: tuple[str, int] | None, count: int) -> list[Any]:
             where: list[str] = ["1 = 1"]
@@ -1122,6 +1157,7 @@ class TeamStore:
 
         def operation(tx: _Tx) -> tuple[dict[str, Any], tuple[int, int, int]]:
             self._prune(tx, now_ms)
+            facts = self._facts(tx, own)
             page: list[tuple[str, Record]] = []
             after, wanted = cursor, limit + 1
             while wanted:
@@ -1134,7 +1170,9 @@ class TeamStore:
             next_cursor = (
                 None if last is None else {"namespace": last["namespace"], "id": last["id"]}
             )
-            return {"memories": memories, "next_cursor": next_cursor}, self._facts(tx, own)
+            if self._facts(tx, own) != facts:
+                raise _Again()
+            return {"memories": memories, "next_cursor": next_cursor}, facts
 
         result: tuple[dict[str, Any], tuple[int, int, int]] = self._run(deadline, operation)
         return result

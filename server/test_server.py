@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
+import attrs
 import pytest
 import tactmem
 from hypothesis import given
@@ -1338,6 +1339,20 @@ def test_sync_report_counts_by_full_record_equality() -> None:
     assert tactmem_server.plan_sync(previous, snapshot) == {
         "inserted": 1, "replaced": 1, "unchanged": 1, "deleted": 1,
     }  # fmt: skip
+
+
+def test_a_guarded_sync_keeps_the_reads_that_landed_since_its_export() -> None:
+    """`keep_reads`: a snapshot record at its row's version and content keeps the row's higher
+    counts and later times and stays off probation if the row is; any other is as sent."""
+    row = tactmem.Record(tactmem.Key(1, 2), "one", 1, 1, 30, 4, 40, 1, None)
+    sent = tactmem.Record(tactmem.Key(1, 2), "one", 1, 1, 20, 5, None, 0, 99)
+    ((kept, identity),) = tactmem_server.keep_reads({1: row}, [(sent, "one")])
+    assert identity == "one" and kept == tactmem.Record(
+        tactmem.Key(1, 2), "one", 1, 1, 30, 5, 40, 1, None
+    )
+    other = [(attrs.evolve(sent, key=tactmem.Key(1, 3), content="two"), "two")]
+    assert tactmem_server.keep_reads({1: row}, other) == other
+    assert tactmem_server.keep_reads({}, [(sent, "one")]) == [(sent, "one")]
 
 
 # ============================================================================ the tool at /mcp
