@@ -4148,22 +4148,26 @@ def _wire_record(record: Record) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------ push plans
-# `tactmem push` (README, "Team memory: the client", "The push rule"). A push changes only the
-# team records this store has seen as they are now, and never what a key means: a replaced
-# record gets the next version, a new record an id the namespace has not used. What this store
-# has seen are its links (`_Link`), kept beside the store by each push and pull; what the team
-# holds comes from an export just before the sync. Anything else is kept as it is, or the
-# push is refused, naming team ids; `--force` makes the namespace exactly this store's records
-# (as the original's push does), still never giving a key other content.
+# `tactmem push` (README, "The push rule"). A push changes only the team records this store
+# has seen as they are now, and never what a key means: a replaced record gets a version above
+# every one seen, a new record an id the namespace has not used. What this store has seen are
+# its links (`_Link`), kept beside the store by each push and pull; what the team holds comes
+# from an export just before the sync. Anything else is kept as it is, or the push is refused,
+# naming team ids; `--force` lets this store's records win every dispute and deletes what no
+# record here stands for, still never giving a key other content.
 
 
 class _Link(NamedTuple):
     """A local record and the team record it was pushed as or pulled from, as both were then
-    (their contents by `_digest`)."""
+    (their contents by `_digest`): the local record's creation time tells it from another
+    store's record at the same id, and its probation deadline tells a record that expired
+    here unread from one deleted here."""
 
     local_id: int
     local_version: int
     local_digest: str
+    local_created_at_ms: int
+    local_probation_until_ms: int | None
     namespace: str
     remote_id: int
     remote_version: int
@@ -4195,17 +4199,42 @@ _NO_VERSION: Final = "no version left to replace it with"
 def _link(record: Record, namespace: str, team: Key, team_digest: str | None = None) -> _Link:
     digest = _digest(record.content)
     return _Link(
-        record.key.id, record.key.version, digest, namespace, team.id, team.version,
-        team_digest or digest,
+        record.key.id, record.key.version, digest, record.created_at_ms,
+        record.probation_until_ms, namespace, team.id, team.version, team_digest or digest,
     )  # fmt: skip
 
 
 def _holds(link: _Link, record: Record | None) -> bool:
-    """Whether a link still describes this store's record (None: deleted here): a record at
-    the link's version with other content, or at an older one, is another store's."""
-    if record is None or record.key.version > link.local_version:
+    """Whether a link still describes this store's record (None: it is gone here). A record
+    created at another time, at an older version, or with other content at the link's version
+    is another record (a store made anew at the same path)."""
+    if record is None:
         return True
-    return record.key.version == link.local_version and _digest(record.content) == link.local_digest
+    if record.created_at_ms != link.local_created_at_ms:
+        return False
+    same = record.key.version == link.local_version
+    return record.key.version > link.local_version or (
+        same and _digest(record.content) == link.local_digest
+    )
+
+
+def _as_seen(link: _Link, there: Mapping[int, Record]) -> bool:
+    """Whether the team record is still as the link saw it."""
+    team = there.get(link.remote_id)
+    return team is not None and (team.key.version, _digest(team.content)) == (
+        link.remote_version, link.remote_digest,
+    )  # fmt: skip
+
+
+def _landed(link: _Link, there: Mapping[int, Record]) -> bool:
+    """Whether a pending link's sync landed: its team record is as it says, or, for a record
+    the sync inserted, holds its creation time at a later version (replaced there since)."""
+    team = there.get(link.remote_id)
+    return _as_seen(link, there) or (
+        team is not None
+        and team.created_at_ms == link.local_created_at_ms
+        and team.key.version > link.remote_version
+    )
 
 
 def _with_reads(team: Record, mine: Record) -> Record:
@@ -4226,13 +4255,44 @@ def _with_reads(team: Record, mine: Record) -> Record:
     )
 
 
+def _chosen_links(
+    there: Mapping[int, Record], namespace: str, here: Mapping[int, Record],
+    links: Sequence[_Link], pending: Sequence[_Link],
+) -> tuple[dict[int, _Link], list[_Link]]:  # fmt: skip
+    """Each local record's link in `namespace` (one its team record still matches, else the
+    first), and the links of records pulled from another namespace and not replaced here since
+    (copies, which a push never sends). Links that no longer describe their record are left
+    out, and a pending link where its sync did not land (`_landed`: inserts only by time)."""
+    valid = [link for link in links if _holds(link, here.get(link.local_id))]
+    inserted = {p.local_id for p in pending} - {link.local_id for link in valid}
+    candidates = [
+        p for p in pending
+        if _holds(p, here.get(p.local_id))
+        and (_as_seen(p, there) or (p.local_id in inserted and _landed(p, there)))
+    ]  # fmt: skip
+    candidates += sorted(valid, key=lambda link: not _as_seen(link, there))  # as seen first
+    copies = [
+        c for c in dict.fromkeys(candidates)
+        if c.namespace != namespace and c.local_id in here
+        and here[c.local_id].key.version == c.local_version
+    ]  # fmt: skip
+    copied = {link.local_id for link in copies}
+    chosen: dict[int, _Link] = {}
+    for link in candidates:
+        if link.namespace == namespace and link.local_id not in copied:
+            chosen.setdefault(link.local_id, link)
+    return chosen, copies
+
+
 class _Push:
     """`_plan_push` at work: what each team id becomes (None: deleted), the new links, and
-    what the plan reports."""
+    what the plan reports. `chosen` is every local record's link (`_chosen_links`), the links
+    of records gone here too."""
 
     def __init__(
-        self, remote: Sequence[Record], namespace: str, force: bool, known: Iterable[_Link]
-    ) -> None:
+        self, remote: Sequence[Record], namespace: str, force: bool,
+        chosen: Mapping[int, _Link], here: Mapping[int, Record], known: Iterable[_Link],
+    ) -> None:  # fmt: skip
         self.there = {record.key.id: record for record in remote}
         self.namespace, self.force = namespace, force
         self.highest: dict[int, int] = {}  # team id -> the highest version a link of it saw
@@ -4240,113 +4300,79 @@ class _Push:
             if link.namespace == namespace:
                 seen = self.highest.get(link.remote_id, 0)
                 self.highest[link.remote_id] = max(seen, link.remote_version)
+        as_seen = {i: link for i, link in chosen.items() if _as_seen(link, self.there)}
+        self.seen = {link.remote_id for link in as_seen.values()}  # seen as it is now
+        self.held = {link.remote_id for i, link in as_seen.items() if i in here}  # and held here
         self.result: dict[int, Record | None] = dict(self.there)
         self.replaced: set[int] = set()  # team ids given a new version
-        self.held: set[int] = set()  # team ids a record here holds as the team does (`follow`)
         self.new: list[Record] = []  # local records that need a team id
         self.links: list[_Link] = []
         self.report: dict[str, list[Any]] = defaultdict(list)
 
-    def as_seen(self, link: _Link) -> bool:
-        """Whether the team record is still as the link saw it."""
-        team = self.there.get(link.remote_id)
-        return team is not None and (team.key.version, _digest(team.content)) == (
-            link.remote_version, link.remote_digest,
-        )  # fmt: skip
-
     def change(self, link: _Link, mine: Record) -> None:
         """A record replaced here since its link: the team's gets its content. Where the team's
-        changed too, another record here may hold its new version (a pull brought it): this
-        one is then a record of its own."""
+        changed too and another record here holds its new version (a pull brought it), this
+        one becomes a record of its own."""
         team = self.there.get(link.remote_id)
         if team is None:
-            self.conflict(link.remote_id, _CHANGED_GONE, mine)
-        elif not self.as_seen(link) and team.key.id in self.held:
+            self.dispute(link.remote_id, _CHANGED_GONE, mine)
+        elif not _as_seen(link, self.there) and team.key.id in self.held:
             self.new.append(mine)
-        elif not self.as_seen(link):
-            self.conflict(team.key.id, _CHANGED_BOTH, mine)
+        elif not _as_seen(link, self.there):
+            self.dispute(team.key.id, _CHANGED_BOTH, mine)
         elif team.key.id in self.replaced:
-            self.conflict(team.key.id, _TWICE, mine)
+            self.dispute(team.key.id, _TWICE, mine)
         else:
             self.replace(team, mine)
 
-    def keep(self, link: _Link, mine: Record, seen: set[int]) -> None:
-        """A record not changed here since its link: the team's, with this store's reads."""
+    def keep(self, link: _Link, mine: Record) -> None:
+        """A record not changed here since its link: the team's, with this store's reads; the
+        team's change where only the team changed it; not sent again where it was deleted
+        there (with `--force`, sent as a new record)."""
         team = self.there.get(link.remote_id)
         if team is None and self.force:
             self.new.append(mine)
             return
         if team is None:
             self.report["gone"].append(mine.key.id)
-        elif self.as_seen(link) and team.key.id not in self.replaced:
+        elif _as_seen(link, self.there) and team.key.id not in self.replaced:
             self.result[team.key.id] = _with_reads(team, mine)
-        elif team.key.version == link.remote_version and team.key.id not in seen:
-            self.conflict(team.key.id, _REWRITTEN, mine)
+        elif team.key.version == link.remote_version and team.key.id not in self.seen:
+            self.dispute(team.key.id, _REWRITTEN, mine)
             return
-        self.links.append(link)  # otherwise changed there, not here: the team's stands
-
-    def follow(self, mine: Sequence[Record], chosen: Mapping[int, _Link]) -> None:
-        """The records with a link: the changed ones first, so a kept one knows what was
-        replaced."""
-        linked = [record for record in mine if record.key.id in chosen]
-        changed = {r.key.id for r in linked if r.key.version != chosen[r.key.id].local_version}
-        seen = {link.remote_id for link in chosen.values() if self.as_seen(link)}
-        self.held = {chosen[r.key.id].remote_id for r in linked if self.as_seen(chosen[r.key.id])}
-        for record in linked:
-            if record.key.id in changed:
-                self.change(chosen[record.key.id], record)
-        for record in linked:
-            if record.key.id not in changed:
-                self.keep(chosen[record.key.id], record, seen)
-
-    def add_all(self, mine: Sequence[Record]) -> None:
-        """The records with no link, after `follow`: each may hold the conclusion of a team
-        record that no record here holds as it is now (one no link names, or one a stale link
-        names, changed on the server since)."""
-        identities = {
-            normalized_identity(team.content): team.key.id
-            for team in self.there.values()
-            if team.key.id not in self.held | self.replaced
-        }
-        for record in mine:
-            self.add(record, identities)
-
-    def unseen(self, linked: set[int]) -> tuple[int, ...]:
-        """The team records no link names: kept as they are, or deleted by `--force`."""
-        mentioned = linked | {
-            link.remote_id for link in self.links if link.namespace == self.namespace
-        }
-        unseen = sorted(set(self.there) - mentioned)
-        if not self.force:
-            return tuple(unseen)
-        self.report["deleted"] += unseen
-        self.result.update(dict.fromkeys(unseen))
-        return ()
+        remote = Key(link.remote_id, link.remote_version)
+        self.links.append(_link(mine, self.namespace, remote, link.remote_digest))
 
     def add(self, mine: Record, identities: Mapping[str, int]) -> None:
-        """A record with no link: the same conclusion the team holds unseen, or a new one."""
+        """A record with no link: the conclusion of a team record no record here holds as it
+        is now (`identities`), or a new one."""
         team_id = identities.get(normalized_identity(mine.content))
-        team = None if team_id is None else self.there[team_id]
-        if team is None:
+        if team_id is None:
             self.new.append(mine)
-        else:
-            self.result[team.key.id] = _with_reads(team, mine)
-            self.links.append(_link(mine, self.namespace, team.key, _digest(team.content)))
+            return
+        team = self.there[team_id]
+        self.result[team_id] = _with_reads(team, mine)
+        self.links.append(_link(mine, self.namespace, team.key, _digest(team.content)))
 
-    def forget(self, link: _Link, claimed: set[int]) -> None:
-        """A record deleted here since its link: the team's is deleted if it is as seen (and
-        no other record here stands for it)."""
+    def forget(self, link: _Link, claimed: set[int], now_ms: int) -> None:
+        """A record gone here since its link. Expired here unread: the team's stays (it is
+        then a record this store has not seen). Deleted here: the team's is deleted if it is
+        as seen and no record here stands for it."""
         team = self.there.get(link.remote_id)
         if team is None or team.key.id in claimed or self.result[team.key.id] is None:
             return
-        if self.as_seen(link) or self.force:
+        deadline = link.local_probation_until_ms
+        if deadline is not None and deadline <= now_ms:
+            return
+        if _as_seen(link, self.there) or self.force:
             self.result[team.key.id] = None
             self.report["deleted"].append(team.key.id)
         else:
             self.report["conflicts"].append((team.key.id, _DELETED_CHANGED))
 
-    def conflict(self, team_id: int, why: str, mine: Record) -> None:
-        """Refuse; with `--force`, this store's record wins, as a new version or a new id."""
+    def dispute(self, team_id: int, why: str, mine: Record) -> None:
+        """A conflict: the push is refused; with `--force` this store's record wins, as a new
+        version of the team's (or a new record, where that is gone or already replaced)."""
         team = self.there.get(team_id)
         if not self.force:
             self.report["conflicts"].append((team_id, why))
@@ -4370,29 +4396,10 @@ class _Push:
         self.report[verb].append((mine.key.id, key.id))
         self.links.append(_link(mine, self.namespace, key))
 
-    def plan(self, foreign: int, unseen: tuple[int, ...]) -> _PushPlan:
-        snapshot = tuple(record for _, record in sorted(self.result.items()) if record)
-        holder: dict[str, int] = {}
-        for record in snapshot:  # the namespace holds each conclusion once
-            earlier = holder.setdefault(normalized_identity(record.content), record.key.id)
-            if earlier != record.key.id:
-                same = f"the same conclusion as {self.namespace}#{earlier}"
-                self.report["conflicts"].append((record.key.id, same))
-        if len(snapshot) > _DEFAULT_LIMITS.records:
-            raise RecordCapacity(_DEFAULT_LIMITS.records)
-        if sum(len(r.content.encode()) for r in snapshot) > _DEFAULT_LIMITS.total_content_bytes:
-            raise ContentCapacity(_DEFAULT_LIMITS.total_content_bytes)
-        report = self.report
-        return _PushPlan(
-            snapshot, tuple(report["inserted"]), tuple(report["replaced"]),
-            tuple(sorted(report["deleted"])), unseen, tuple(report["gone"]),
-            tuple(report["conflicts"]), foreign, tuple(self.links),
-        )  # fmt: skip
-
     def allocate(self, taken: set[int], next_id: int | None) -> None:
-        """Team ids for the new records: its local id where the namespace never used it, else
-        the next unused one (the server's allocator says which are; without it, above every id
-        this store knows)."""
+        """Team ids for the new records: each its local id where the namespace never used it,
+        else the next unused one (the server's allocator says which are; without it, above
+        every id this store knows)."""
         taken = taken | set(self.result)
         floor = max(taken, default=0) + 1 if next_id is None else next_id
         spare = itertools.count(floor)
@@ -4405,27 +4412,29 @@ class _Push:
             taken.add(team_id)
             self.put(Key(team_id, mine.key.version), mine)
 
-
-def _chosen_links(
-    push: _Push, here: Mapping[int, Record], links: Sequence[_Link], pending: Sequence[_Link]
-) -> tuple[dict[int, _Link], list[_Link]]:
-    """Each local record's own-namespace link (the one its team record still matches, else
-    the first), and the links of records pulled from another namespace and not replaced here
-    since (copies, never pushed). Links that no longer describe their record are dropped; a
-    pending link counts only where the team record is as it says."""
-    candidates = [p for p in pending if _holds(p, here.get(p.local_id)) and push.as_seen(p)]
-    valid = [link for link in links if _holds(link, here.get(link.local_id))]
-    candidates += sorted(valid, key=lambda link: not push.as_seen(link))  # as seen first
-    copies = [
-        c for c in dict.fromkeys(candidates)
-        if c.namespace != push.namespace and c.local_id in here
-        and here[c.local_id].key.version == c.local_version
-    ]  # fmt: skip
-    chosen: dict[int, _Link] = {}
-    for link in candidates:
-        if link.namespace == push.namespace and link.local_id not in {c.local_id for c in copies}:
-            chosen.setdefault(link.local_id, link)
-    return chosen, copies
+    def plan(self, foreign: int, unseen: Sequence[int]) -> _PushPlan:
+        """The plan, once every record is placed: `unseen` are kept, or deleted by `--force`.
+        The namespace holds each conclusion once, and stays within its bounds."""
+        if self.force:
+            self.report["deleted"] += unseen
+            self.result.update(dict.fromkeys(unseen))
+        snapshot = tuple(record for _, record in sorted(self.result.items()) if record)
+        holder: dict[str, int] = {}
+        for record in snapshot:
+            earlier = holder.setdefault(normalized_identity(record.content), record.key.id)
+            if earlier != record.key.id:
+                same = f"the same conclusion as {self.namespace}#{earlier}"
+                self.report["conflicts"].append((record.key.id, same))
+        if len(snapshot) > _DEFAULT_LIMITS.records:
+            raise RecordCapacity(_DEFAULT_LIMITS.records)
+        if sum(len(r.content.encode()) for r in snapshot) > _DEFAULT_LIMITS.total_content_bytes:
+            raise ContentCapacity(_DEFAULT_LIMITS.total_content_bytes)
+        report = self.report
+        return _PushPlan(
+            snapshot, tuple(report["inserted"]), tuple(report["replaced"]),
+            tuple(sorted(report["deleted"])), () if self.force else tuple(unseen),
+            tuple(report["gone"]), tuple(report["conflicts"]), foreign, tuple(self.links),
+        )  # fmt: skip
 
 
 _Pulled = tuple[str, int, int, str]  # a pulled team record: namespace, id, version, `_digest`
@@ -4453,35 +4462,52 @@ def _pull_links(
     ]
 
 
+def _place(push: _Push, mine: Sequence[Record], chosen: Mapping[int, _Link]) -> None:
+    """Place each record here: the ones replaced since their link first, so that one kept as it
+    is knows what was replaced; then the kept ones; then those with no link."""
+    linked = [record for record in mine if record.key.id in chosen]
+    changed = {r.key.id for r in linked if r.key.version != chosen[r.key.id].local_version}
+    for record in linked:
+        if record.key.id in changed:
+            push.change(chosen[record.key.id], record)
+    for record in linked:
+        if record.key.id not in changed:
+            push.keep(chosen[record.key.id], record)
+    identities = {
+        normalized_identity(team.content): team.key.id
+        for team in push.there.values()
+        if team.key.id not in push.held | push.replaced
+    }
+    for record in mine:
+        if record.key.id not in chosen:
+            push.add(record, identities)
+
+
 def _plan_push(
     local: Sequence[Record], remote: Sequence[Record], links: Sequence[_Link],
-    pending: Sequence[_Link], namespace: str, *, next_id: int | None, force: bool,
+    pending: Sequence[_Link], namespace: str, *, next_id: int | None, force: bool, now_ms: int,
 ) -> _PushPlan:  # fmt: skip
     """Plan a push of this store's records to `namespace`, which holds `remote` now (see
     "push plans"). `links` are this store's; `pending`, those a push wrote before its sync
-    and may have failed to confirm (a crash), count only where the team record is as they
-    say. `next_id`: the namespace's allocator, when the server tells it."""
+    and may have failed to confirm (a crash), count only where that sync landed. `next_id`:
+    the namespace's allocator, when the server tells it."""
     here = {record.key.id: record for record in local}
-    push = _Push(remote, namespace, force, [*links, *pending])
-    chosen, copies = _chosen_links(push, here, links, pending)
+    there = {record.key.id: record for record in remote}
+    chosen, copies = _chosen_links(there, namespace, here, links, pending)
+    push = _Push(remote, namespace, force, chosen, here, [*links, *pending])
     push.links += copies
     foreign = {link.local_id for link in copies}
-    mine = [record for record in local if record.key.id not in foreign]
-    push.follow(mine, chosen)
-    linked = {link.remote_id for link in chosen.values()}
-    push.add_all([record for record in mine if record.key.id not in chosen])
-    claimed = {link.remote_id for local_id, link in chosen.items() if local_id in here} | {
-        link.remote_id for link in push.links if link.local_id in here
-        and link.namespace == namespace
-    }  # fmt: skip
+    _place(push, [here[i] for i in sorted(here) if i not in foreign], chosen)
+    claimed = {link.remote_id for local_id, link in chosen.items() if local_id in here}
+    claimed |= {link.remote_id for link in push.links if link.namespace == namespace}
     for local_id, link in chosen.items():
         if local_id not in here:
-            push.forget(link, claimed)
-    unseen = push.unseen(linked)
+            push.forget(link, claimed, now_ms)
+    unseen = sorted(set(there) - claimed - set(push.report["deleted"]))
     known = {link.remote_id for link in links if link.namespace == namespace}
     if next_id is None:  # no allocator to ask: a pending sync may have landed, then been undone
         known |= {link.remote_id for link in pending if link.namespace == namespace}
-    push.allocate(linked | known, next_id)
+    push.allocate(known | {link.remote_id for link in chosen.values()}, next_id)
     return push.plan(len(foreign), unseen)
 
 
@@ -6102,8 +6128,10 @@ class RemoteStore:
 # sync a push writes the links its plan will make as `pending`, and before its merge a pull
 # the records it fetched as `pulled`, so a process killed between the two steps loses nothing:
 # the next push counts a pending link where the team record is as it says (`_plan_push`),
-# and finds what a pull merged by its time and contents (`_pull_links`). One push or pull of
-# a store at a time: each holds an exclusive lock of the store's directory.
+# and finds what a pull merged by its time and contents (`_pull_links`). The file also holds
+# the store's next id when it was written: a store whose allocator is below it is not the one
+# the links describe (a restored backup, a store made anew at the path), so its links are left
+# out. One push or pull of a store at a time: each holds a lock of the store's directory.
 
 _LINKS_BYTES: Final = 1 << 20  # some 4,000 links: far more than a store and a pull hold
 _LINKS_DAMAGED: Final = "team links file {} is damaged; move it away to push and pull without it"
@@ -6113,14 +6141,20 @@ def _is_digest(value: object) -> bool:
     return isinstance(value, str) and re.fullmatch("[0-9a-f]{32}", value) is not None
 
 
-_LINK_FIELDS: Final = (_is_id, _is_id, _is_digest, _is_namespace, _is_id, _is_id, _is_digest)
+def _is_time(value: object) -> bool:
+    return value is None or _is_count(value)
+
+
+_LINK_FIELDS: Final = (
+    _is_id, _is_id, _is_digest, _is_count, _is_time, _is_namespace, _is_id, _is_id, _is_digest,
+)  # fmt: skip
 
 
 class _TeamLinks:
     """The links file of one store, for one server and namespace (`[memory.remote]`)."""
 
-    def __init__(self, database: str, remote: RemoteConfig) -> None:
-        self.path = database + _LINKS_SUFFIX
+    def __init__(self, store: Store, remote: RemoteConfig) -> None:
+        self.store, self.path = store, store.path + _LINKS_SUFFIX
         self.place = f"{_check_endpoint(remote.endpoint)} {remote.namespace}"
         self._directory: int | None = None
 
@@ -6147,8 +6181,11 @@ class _TeamLinks:
 
     def load(self, local: Sequence[Record]) -> tuple[list[_Link], list[_Link]]:
         """This place's links (with those of a pull that did not finish its bookkeeping) and
-        pending links."""
-        entry = self._entries().get(self.place, {})
+        pending links; none when the store is not the one they describe."""
+        found = self._document()
+        if found.get("store_next_id", 1) > self._next_id():
+            return [], []
+        entry = found.get("remotes", {}).get(self.place, {})
         links = [_Link(*link) for link in entry.get("links", [])]
         pending = [_Link(*link) for link in entry.get("pending", [])]
         if entry.get("pulled"):
@@ -6162,21 +6199,29 @@ class _TeamLinks:
     ) -> None:  # fmt: skip
         import json
 
-        entries = self._entries()
+        found, next_id = self._document(), self._next_id()
+        entries = found.get("remotes", {}) if found.get("store_next_id", 1) <= next_id else {}
         entries[self.place] = {
             "links": [list(link) for link in dict.fromkeys(links)],
             "pending": [list(link) for link in pending],
             "pulled": None if pulled is None else [pulled[0], [list(p) for p in pulled[1]]],
         }
-        data = json.dumps({"tactmem-team": 1, "remotes": entries}, separators=(",", ":"))
+        document = {"tactmem-team": 1, "store_next_id": next_id, "remotes": entries}
+        data = json.dumps(document, separators=(",", ":"))
         try:
-            _write_private(self.path, data.encode() + b"\n")
+            _write_private(self.path, data.encode() + b"\n", prefix=".tactmem-team-")
         except (OSError, TactmemError):
             raise StorageError(f"could not write the team links file {self.path}") from None
 
-    def _entries(self) -> dict[str, Any]:
-        """Every place's entry, checked: a file that is damaged or not a regular file is an
-        error, never a store with no links (a push would then see nothing as seen)."""
+    def _next_id(self) -> int:
+        """The store's allocator: an id this store never handed out is no record of its own."""
+        with self.store._transaction() as connection:
+            (next_id,) = connection.execute(_NEXT_ID).fetchone()
+        return int(next_id)
+
+    def _document(self) -> dict[str, Any]:
+        """The file, checked: one that is damaged or not a regular file is an error, never a
+        store with no links (a push would then see nothing as seen)."""
         import json
 
         try:
@@ -6193,8 +6238,8 @@ class _TeamLinks:
             found = None
         if data is None or len(data) > _LINKS_BYTES or not _links_document(found):
             raise StorageError(_LINKS_DAMAGED.format(self.path))
-        entries: dict[str, Any] = found["remotes"]
-        return entries
+        document: dict[str, Any] = found
+        return document
 
 
 def _links_document(found: Any) -> bool:
@@ -6222,12 +6267,12 @@ def _links_document(found: Any) -> bool:
             )
         )  # fmt: skip
 
-    if not isinstance(found, dict) or found.keys() != {"tactmem-team", "remotes"}:
+    if not isinstance(found, dict) or found.keys() != {"tactmem-team", "store_next_id", "remotes"}:
         return False
     entries = found["remotes"]
     return (
         found["tactmem-team"] == 1 and type(found["tactmem-team"]) is int
-        and isinstance(entries, dict)
+        and _is_id(found["store_next_id"]) and isinstance(entries, dict)
         and all(
             isinstance(entry, dict) and entry.keys() == {"links", "pending", "pulled"}
             and links(entry["links"]) and links(entry["pending"]) and pulled(entry["pulled"])
@@ -7010,13 +7055,13 @@ def _read_export(name: str, limits: Limits) -> bytes:
     return found
 
 
-def _write_private(name: str, data: bytes) -> None:
+def _write_private(name: str, data: bytes, prefix: str = ".tactmem-export-") -> None:
     """Write a whole file `0600` or nothing: a temporary file beside it, then a rename."""
     import tempfile
 
     try:
         directory = os.path.dirname(os.path.abspath(name))
-        descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=".tactmem-export-")
+        descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=prefix)
     except ValueError:
         raise InvalidRequest("the export file's name is one no file can have") from None
     try:
@@ -7130,12 +7175,13 @@ def _push_command(store: Store, arguments: argparse.Namespace, config: Config | 
     changed before the sync could land (a tactmem-server refuses it then) or the local store
     changed meanwhile. Exit 1 when the push is, or a dry run's would be, refused."""
     remote = _team(config)
-    with RemoteStore.from_config(remote) as team, _TeamLinks(store.path, remote) as file:
+    with RemoteStore.from_config(remote) as team, _TeamLinks(store, remote) as file:
         if team.session() != "writer" and not arguments.dry_run:
             raise RemoteDenied("remote memory credential is read-only; push needs a writer")
         sent = False  # whether a pass's sync landed (then a refusal has changed something)
         for _ in range(3):
-            records = store.list()
+            now = _now_ms()
+            records = store.list(now_ms=now)
             links, pending = file.load(records)
             try:
                 remote_records, dropped, facts = team.namespace_export()
@@ -7144,6 +7190,7 @@ def _push_command(store: Store, arguments: argparse.Namespace, config: Config | 
             plan = _plan_push(
                 records, remote_records, links, pending, remote.namespace,
                 next_id=None if facts is None else facts.next_id, force=arguments.force,
+                now_ms=now,
             )  # fmt: skip
             hidden = dropped if facts is None else max(0, facts.records - len(remote_records))
             refused = bool(plan.conflicts) or (hidden > 0 and not arguments.force)
@@ -7297,7 +7344,7 @@ def _pull_command(store: Store, arguments: argparse.Namespace, config: Config | 
     with RemoteStore.from_config(remote) as team:
         records = team.export(None if arguments.all else arguments.namespace)
     pulled = [(*_where(record), record.key.version, _digest(record.content)) for record in records]
-    with _TeamLinks(store.path, remote) as file:
+    with _TeamLinks(store, remote) as file:
         links, pending = file.load(store.list())
         now = _now_ms()
         file.save(links, pending=pending, pulled=(now, pulled))

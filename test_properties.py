@@ -1516,21 +1516,32 @@ def _records(team: bool) -> st.SearchStrategy[list[Record]]:
 _links = st.lists(
     st.builds(
         tactmem._Link, _PLACES, _VERSIONS, st.sampled_from(_TEXTS).map(tactmem._digest),
+        st.sampled_from([5, 5, 6]), st.sampled_from([None, 1_000, 3_000]),
         st.sampled_from(["alice", "alice", "bob"]), _PLACES, _VERSIONS,
         st.sampled_from(_TEXTS).map(tactmem._digest),
     ),
     max_size=6,
 )  # fmt: skip
+_NOW = st.sampled_from([500, 2_000])  # before or after the probation of records and links
+
+
+def _link(local: tuple[int, int, str], team: tuple[int, int, str]) -> Any:
+    """A link of local record (id, version, text) created at 5, unread, to an alice record."""
+    mine, digest = tactmem._digest(local[2]), tactmem._digest(team[2])
+    return tactmem._Link(local[0], local[1], mine, 5, 1_000, "alice", team[0], team[1], digest)
 
 
 @given(
-    _records(False), _records(True), _links, _links, st.none() | st.integers(7, 9), st.booleans()
-)
+    _records(False), _records(True), _links, _links, st.none() | st.integers(7, 9), st.booleans(),
+    _NOW,
+)  # fmt: skip
 def test_a_push_never_rewrites_a_key_nor_touches_what_it_has_not_seen(
     local: list[Record], remote: list[Record], links: list[Any], pending: list[Any],
-    next_id: int | None, force: bool,
+    next_id: int | None, force: bool, now_ms: int,
 ) -> None:  # fmt: skip
-    plan = tactmem._plan_push(local, remote, links, pending, "alice", next_id=next_id, force=force)
+    plan = tactmem._plan_push(
+        local, remote, links, pending, "alice", next_id=next_id, force=force, now_ms=now_ms
+    )
     event(f"conflicts: {bool(plan.conflicts)}")
     if plan.conflicts:
         return  # refused: nothing is sent
@@ -1566,28 +1577,29 @@ def _seen(doc_id: int, version: int, text: str, *, team: bool = False) -> Record
 
 
 @given(
-    _records(False), _records(True), _links, _links, st.none() | st.integers(7, 9), st.booleans()
-)
+    _records(False), _records(True), _links, _links, st.none() | st.integers(7, 9), st.booleans(),
+    _NOW,
+)  # fmt: skip
 @example(  # a pending insert of alice#1 may have landed: no server allocator to say it did not
-    [_seen(1, 1, _TEXTS[0])], [], [],
-    [tactmem._Link(1, 1, tactmem._digest(_TEXTS[0]), "alice", 1, 1, tactmem._digest(_TEXTS[1]))],
-    None, False,
+    [_seen(1, 1, _TEXTS[0])], [], [], [_link((1, 1, _TEXTS[0]), (1, 1, _TEXTS[1]))], None, False,
+    500,
 )  # fmt: skip
 @example(  # this store saw alice#3 v3; the team's went back to v1; --force wrote v2
     [_seen(1, 2, _TEXTS[1])], [_seen(3, 1, _TEXTS[2], team=True)],
-    [tactmem._Link(1, 1, tactmem._digest(_TEXTS[0]), "alice", 3, 3, tactmem._digest(_TEXTS[0]))],
-    [], None, True,
+    [_link((1, 1, _TEXTS[0]), (3, 3, _TEXTS[0]))], [], None, True, 500,
 )  # fmt: skip
 def test_a_push_writes_each_team_id_above_every_version_this_store_saw(
     local: list[Record], remote: list[Record], links: list[Any], pending: list[Any],
-    next_id: int | None, force: bool,
+    next_id: int | None, force: bool, now_ms: int,
 ) -> None:  # fmt: skip
     """A link says this store saw a team record at that version, so every version up to it has
     named some content. A record the push writes (new, or other than the team holds now) goes
     above all of them unless it is what this store saw at that very key, even where the team's
     version went back since (the original's client may sync any versions), with `--force`
     too."""
-    plan = tactmem._plan_push(local, remote, links, pending, "alice", next_id=next_id, force=force)
+    plan = tactmem._plan_push(
+        local, remote, links, pending, "alice", next_id=next_id, force=force, now_ms=now_ms
+    )
     if plan.conflicts:
         return
     there = {r.key.id: r for r in remote}

@@ -7407,11 +7407,16 @@ def linked(mine: Record, team: Record) -> Any:
     return tactmem._link(mine, namespace, team.key, tactmem._digest(team.content))
 
 
+NOW_MS = 1_000_000  # after no record's probation but those that say so
+
+
 def plan_push(
     local: Sequence[Record], remote: Sequence[Record], links: Sequence[Any] = (),
     pending: Sequence[Any] = (), *, next_id: int | None = None, force: bool = False,
 ) -> Any:  # fmt: skip
-    return tactmem._plan_push(local, remote, links, pending, "alice", next_id=next_id, force=force)
+    return tactmem._plan_push(
+        local, remote, links, pending, "alice", next_id=next_id, force=force, now_ms=NOW_MS
+    )
 
 
 def keys_of(plan: Any) -> list[tuple[int, int, str]]:
@@ -7807,9 +7812,10 @@ def test_the_team_links_file_is_checked_and_shared(
         with Store(database) as local:
             local.put("The first local conclusion.")
         links = Path(database + "-team")
-        other = {"links": [[1, 1, "0" * 32, "bob", 3, 1, "0" * 32]], "pending": [],
+        other = {"links": [[1, 1, "0" * 32, 5, None, "bob", 3, 1, "0" * 32]], "pending": [],
                  "pulled": None}  # fmt: skip
-        links.write_text(json.dumps({"tactmem-team": 1, "remotes": {"https://x/ bob": other}}))
+        file = {"tactmem-team": 1, "store_next_id": 2, "remotes": {"https://x/ bob": other}}
+        links.write_text(json.dumps(file))
         assert run_cli(capsys, "--config", str(config), "push")[0] == 0
         saved = json.loads(links.read_text())["remotes"]
         assert saved["https://x/ bob"] == other and len(saved) == 2
@@ -7849,12 +7855,12 @@ def test_a_pull_killed_before_its_bookkeeping_is_found_by_the_next_push(tmp_path
     new = team_at(4, "Bob: the deploy keys rotate on Fridays.", namespace="bob")
     with Store(database) as local:
         mine = local.put(held.content)  # alice wrote the same conclusion: the merge skips it
-        with tactmem._TeamLinks(database, remote) as file:
+        with tactmem._TeamLinks(local, remote) as file:
             now = tactmem._now_ms()
             pulled = [("bob", r.key.id, 1, tactmem._digest(r.content)) for r in (held, new)]
             file.save([], pulled=(now, pulled))
             local._merge_records([(1, held), (2, new)], False, now)  # then the process dies
-        with tactmem._TeamLinks(database, remote) as file:
+        with tactmem._TeamLinks(local, remote) as file:
             links, pending = file.load(local.list())
     assert pending == [] and [(lk.local_id, lk.namespace, lk.remote_id) for lk in links] == [
         (2, "bob", 4)
