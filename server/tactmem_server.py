@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import hashlib
 import ipaddress
@@ -719,12 +720,15 @@ class PostgresEngine:
 
         self._psycopg = psycopg
         self._pool_timeout = psycopg_pool.PoolTimeout
+        try:  # a URL psycopg cannot even parse (not UTF-8, a bad escape) is a ValueError
+            psycopg.connect(url, connect_timeout=10).close()  # fail at once, not after retries
+        except (psycopg.Error, ValueError):
+            raise tactmem.StorageError("could not connect to PostgreSQL") from None
         self._pool = psycopg_pool.ConnectionPool(
             url, min_size=1, max_size=pool_size, kwargs={"autocommit": True}, open=False,
             check=psycopg_pool.ConnectionPool.check_connection,  # after a restart, reconnect
         )  # fmt: skip
         try:
-            psycopg.connect(url, connect_timeout=10).close()  # fail at once, not after retries
             self._pool.open(wait=True, timeout=10)
         except (psycopg.Error, psycopg_pool.PoolTimeout):
             self._pool.close()
@@ -1206,24 +1210,39 @@ class NamespaceStore:
 # ============================================================================ credentials (I/O)
 
 
+def _without_waiting(path: str, flags: int) -> int:
+    """`open` that never waits: a FIFO with no writer would block start-up for ever."""
+    return os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY)
+
+
+def _credentials_document(path: str) -> dict[str, Any]:
+    """The credentials file parsed: a private regular file (checked before a byte is read, so
+    a FIFO or a device is never read) of at most 1 MiB of UTF-8 TOML. The nesting of TOML
+    arrays and tables has no limit of its own, so a deep one is refused when the parser's
+    recursion runs out."""
+    try:
+        with open(path, "rb", opener=_without_waiting) as file:
+            mode = os.fstat(file.fileno()).st_mode
+            if not stat.S_ISREG(mode) or mode & 0o077:
+                raise CredentialsError(
+                    "the credentials file must be a regular file of mode 0600 or 0400"
+                )
+            data = file.read(_CREDENTIALS_FILE_BYTES + 1)
+    except OSError:
+        raise CredentialsError("could not read the credentials file") from None
+    if len(data) > _CREDENTIALS_FILE_BYTES:
+        raise CredentialsError("the credentials file is larger than 1 MiB")
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+        raise CredentialsError("the credentials file is not valid TOML") from None
+
+
 def load_credentials(path: str) -> dict[bytes, Principal]:
     """Read `[[credentials]]` tables of `namespace`, `role` and `token` (the original's shape).
     Only SHA-256 hashes of the tokens are kept. The file must be private (no group or other
     access); several tokens may name one namespace (rotation); a repeated token is refused."""
-    try:
-        with open(path, "rb") as file:
-            mode = os.fstat(file.fileno()).st_mode
-            data = file.read(_CREDENTIALS_FILE_BYTES + 1)
-    except OSError:
-        raise CredentialsError("could not read the credentials file") from None
-    if not stat.S_ISREG(mode) or mode & 0o077:
-        raise CredentialsError("the credentials file must be a regular file of mode 0600 or 0400")
-    if len(data) > _CREDENTIALS_FILE_BYTES:
-        raise CredentialsError("the credentials file is larger than 1 MiB")
-    try:
-        document = tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError):
-        raise CredentialsError("the credentials file is not valid TOML") from None
+    document = _credentials_document(path)
     entries = document.get("credentials")
     if set(document) != {"credentials"} or not isinstance(entries, list) or not entries:
         raise CredentialsError("the credentials file needs [[credentials]] tables and nothing else")
@@ -1745,6 +1764,10 @@ def _listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket. Its protocol is named (IPPROTO_TCP, not 0) because asyncio sets
     TCP_NODELAY only on connections accepted from such a socket; without it every response
     waited about 40 ms for the client's delayed ACK (headers and body are two writes)."""
+    try:  # how the socket module encodes a name: a byte that is not UTF-8 fails here
+        host.encode("idna")
+    except UnicodeError:
+        raise OSError(errno.EINVAL, "not an address or host name") from None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
@@ -1783,10 +1806,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CredentialsError, TactmemError) as error:
         print(f"tactmem-server: {error}", file=sys.stderr)
         return 2
-    except OSError as error:
-        print(
-            f"tactmem-server: cannot listen on {arguments.host}: {error.strerror}", file=sys.stderr
-        )
+    except OSError as error:  # the address is not echoed: it may hold any byte, a newline too
+        print(f"tactmem-server: cannot listen on --host, --port: {error.strerror}", file=sys.stderr)
         return 2
     app = create_app(TeamStore(engine), principals, timeout_s=arguments.store_timeout)
     config = uvicorn.Config(

@@ -1012,6 +1012,91 @@ def test_bad_options_are_one_line_usage_errors(
     assert not database.exists()
 
 
+def _hostile_file(tmp_path: pathlib.Path, kind: str) -> str:
+    """A path that is no usable start-up file: each kind a way a file can be wrong."""
+    path = tmp_path / kind.replace(" ", "-")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link to a fifo":
+        os.mkfifo(tmp_path / "target-fifo")
+        path.symlink_to(tmp_path / "target-fifo")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "socket":
+        with socket.socket(socket.AF_UNIX) as bound:
+            bound.bind(str(path))
+    elif kind == "symlink loop":
+        path.symlink_to(tmp_path / "loop-back")
+        (tmp_path / "loop-back").symlink_to(path)
+    elif kind == "/dev/zero":
+        return "/dev/zero"
+    else:
+        texts = {
+            "not UTF-8": b"\xff\xfe[[credentials]]\n",
+            "deep arrays": b"a = " + b"[" * 100_000 + b"]" * 100_000 + b"\n",
+            "deep tables": b"a = " + b"{b = " * 5_000 + b"1" + b"}" * 5_000 + b"\n",
+            "huge": b"",
+        }
+        path.write_bytes(texts[kind])
+        if kind == "huge":
+            os.truncate(path, 10 * 2**30)  # sparse: 10 GiB of zeros
+        path.chmod(0o600)
+    return str(path)
+
+
+HOSTILE_FILES = [
+    "fifo", "link to a fifo", "directory", "socket", "symlink loop", "/dev/zero", "not UTF-8",
+    "deep arrays", "deep tables", "huge",
+]  # fmt: skip
+ODD_VALUES: list[tuple[str, bytes]] = [
+    ("--host", b"\xff"), ("--host", b"local\nhost"), ("--host", b"999.1.1.1"),
+    ("--host", b"[::1]"), ("--host", b"h" * 300),
+    ("--postgres", b"\xff"), ("--postgres", b"postgresql://%ff@/x?host=/nonexistent"),
+    ("--postgres", b"host=" + b"a" * 3000), ("--postgres", b"postgresql://["),
+    ("--postgres", b"host=/nonexistent dbname=\xff"),
+]  # fmt: skip
+
+
+def _start_refused(arguments: list[str | bytes]) -> str | None:
+    """Start a real server that must refuse at once: one line on stderr, exit status 2, no
+    traceback (a hang fails by the timeout rather than holding the suite). What went wrong."""
+    try:
+        run = subprocess.run([*SERVER, *arguments], capture_output=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return f"{arguments}: no answer in 20 s"
+    stderr = run.stderr.decode("utf-8", "replace")
+    one_line = stderr.startswith("tactmem-server: ") and stderr.count("\n") == 1
+    if run.returncode != 2 or not one_line or "Traceback" in stderr or run.stdout:
+        return f"{arguments}: exit {run.returncode}, {stderr[-300:]!r}"
+    return None
+
+
+def test_every_start_up_input_is_one_line_and_exit_2(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
+    """Whatever the credentials file or the SQLite file is (a FIFO, a directory, a device, a
+    socket, a symlink loop, huge, not UTF-8, nested without end), and whatever odd --host or
+    --postgres is given, start-up ends at once with one line and exit status 2."""
+    database = str(tmp_path / "team.sqlite3")
+    runs: list[list[str | bytes]] = []
+    for number, kind in enumerate(HOSTILE_FILES):
+        place = tmp_path / f"c{number}"
+        place.mkdir()
+        runs.append(["--sqlite", database, "--credentials", _hostile_file(place, kind)])
+        place = tmp_path / f"s{number}"
+        place.mkdir()
+        runs.append(["--sqlite", _hostile_file(place, kind), "--credentials", credentials])
+    for option, value in ODD_VALUES:
+        storage = [] if option == "--postgres" else ["--sqlite", database]
+        runs.append([*storage, option, value, "--credentials", credentials, "--port", "0"])
+    with ThreadPoolExecutor(4) as pool:
+        failures = [failed for failed in pool.map(_start_refused, runs) if failed]
+    assert not failures, "\n".join(failures)
+    for number, kind in enumerate(HOSTILE_FILES):  # a refused SQLite file gets no sidecars
+        left = set(os.listdir(tmp_path / f"s{number}"))
+        assert left <= {kind.replace(" ", "-"), "target-fifo", "loop-back"}, kind
+
+
 def _events(server: Server) -> list[dict[str, Any]]:
     return [json.loads(line) for line in server.lines]
 
