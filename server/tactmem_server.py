@@ -787,6 +787,7 @@ class TeamStore:
         self._corpus_lock = threading.Lock()
         self._seen: dict[str, int] = {}  # namespace -> change counter the cache holds
         self._rows: dict[str, list[tuple[int, int, object]]] = {}
+        self._served: dict[str, dict[int, tuple[Record, bool]]] = {}  # `_served`, by row
 
     def close(self) -> None:
         self.engine.close()
@@ -910,20 +911,29 @@ class TeamStore:
         }
         stale = [ns for ns, changes in counters.items() if self._seen.get(ns) != changes]
         for ns in stale:
-            rows = tx.rows(  # the rows `_served` admits; the corpus hides the rest itself
-                "SELECT id, version, content FROM memories WHERE namespace = ?"
-                f" AND {self.engine.bytes_sql} <= ? AND 0 <= created_at_ms"
-                " AND created_at_ms <= updated_at_ms",
-                [ns, LIMITS.content_bytes],
-            )
-            self._rows[ns] = [
-                (_doc_id(ns, doc_id), version, content) for doc_id, version, content in rows
-            ]
+            rows = tx.rows(f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?", [ns])
+            self._rows[ns] = self._corpus_rows(ns, [r for _, r in map(_namespaced, rows)])
         for ns in self._rows.keys() - counters.keys():
-            del self._rows[ns]
+            del self._rows[ns], self._served[ns]
         if stale or len(self._seen) != len(counters):
             self._corpus.update(list(itertools.chain.from_iterable(self._rows.values())))
         self._seen = counters
+
+    def _corpus_rows(self, ns: str, records: Sequence[Record]) -> list[tuple[int, int, object]]:
+        """A namespace's rows as the corpus takes them: the text only of a row `_served` admits
+        (what a scan offers, a read returns). `_served` runs a text's secret rules, so it is
+        asked again only of a row that changed since the namespace was last fetched."""
+        before, verdicts = self._served.get(ns, {}), {}
+        for record in records:
+            kept = before.get(record.key.id)
+            if kept is None or kept[0] != record:
+                kept = (record, _served(ns, record))
+            verdicts[record.key.id] = kept
+        self._served[ns] = verdicts
+        return [
+            (_doc_id(ns, r.key.id), r.key.version, r.content if served else None)
+            for r, served in verdicts.values()
+        ]
 
     def read(self, wanted: Sequence[WireKey], now_ms: int, deadline: float) -> list[dict[str, Any]]:
         def operation(tx: _Tx) -> list[dict[str, Any]]:

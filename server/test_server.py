@@ -927,6 +927,43 @@ def test_hostile_rows_are_hidden_not_a_500(
     assert_error(answer, 507, "content_capacity")
 
 
+def test_scan_offers_only_what_read_returns(
+    backend: list[str], start: Callable[..., Server]
+) -> None:
+    """Rows a foreign writer left that read, list and export hide (NUL in the text, which only
+    SQLite can hold; blank, secret-shaped or oversized content; times the client refuses; a
+    namespace no credential names) are never a scan's card either, on /v1 and at /mcp."""
+    server = start()
+    shown = server.client.put("zebracorn note anyone may read")
+    rows = [("bob", "   \u3000 "), ("bob", "zebracorn password = hunter2hunter2")]
+    rows += [("bob", "zebracorn " + "x" * 1100), ("\u00e9", "zebracorn in no namespace")]
+    rows += [("bob", "zebracorn created after it was updated")]
+    if backend[0] == "--sqlite":  # PostgreSQL text cannot hold U+0000 at all
+        rows.append(("bob", "zebracorn nul \0 inside"))
+    statements: list[tuple[str, list[object]]] = [
+        ("INSERT INTO memory_namespaces (namespace) VALUES (?) ON CONFLICT DO NOTHING", [ns])
+        for ns in ("bob", "\u00e9")
+    ]
+    insert = (
+        "INSERT INTO memories (namespace, id, version, content, identity, created_at_ms,"
+        " updated_at_ms) VALUES (?, ?, 1, ?, ?, ?, 5)"
+    )
+    statements += [
+        (insert, [ns, n, text, f"i{n}", 6 if "after" in text else 0])
+        for n, (ns, text) in enumerate(rows, 1)
+    ]
+    outside(backend, *statements)
+    keys = [{"id": n, "version": 1, "namespace": ns} for n, (ns, _) in enumerate(rows, 1)]
+    keys = [key for key in keys if key["namespace"] == "bob"]  # a read cannot name the other
+    client = server.client
+    assert client.ok("/v1/memories/read", {"keys": keys}, namespace="reader")["memories"] == []
+    for query in ("zebracorn", "zebracorn nul inside", "zebracorn created updated"):
+        cards = client.ok("/v1/memories/scan", {"query": query, "limit": 5})["candidates"]
+        assert [card["key"] for card in cards] == [shown["key"]], query
+    _, (scan,) = mcp_calls(server.url, BOB, [{"operation": "scan", "query": "zebracorn nul"}])
+    assert [card["key"] for card in scan["candidates"]] == [shown["key"]]
+
+
 def test_graceful_shutdown_finishes_requests_in_flight(
     backend: list[str], start: Callable[..., Server]
 ) -> None:
@@ -1349,7 +1386,11 @@ def test_token_statistics_are_refreshed_only_for_changed_namespaces(
             )
 
     def fetched() -> list[object]:
-        found = [p for sql, p in engine.statements if sql.startswith("SELECT id, version, content")]
+        found = [
+            p
+            for sql, p in engine.statements
+            if sql.startswith("SELECT namespace, id, version, content")
+        ]
         engine.statements.clear()
         return [params[0] for params in found]
 
