@@ -531,6 +531,32 @@ def test_the_last_ids_are_refused_not_a_wedged_namespace(client: Client) -> None
 NS = {"namespace": "alice"}
 
 
+def test_counters_at_their_limit_saturate_or_are_refused(client: Client) -> None:
+    """Every count and version the server writes is a 64-bit SQL integer on both backends: at
+    2^63 - 1 a scan or read count stays there (SQLite would make it REAL, PostgreSQL fail),
+    and a replace of the last version is a conflict."""
+    top = 2**63 - 1
+    snapshot = [
+        {**snapshot_record(1, 1, "saturated counter gotcha one"), "scan_count": top},
+        {**snapshot_record(2, 1, "saturated counter gotcha two"), "use_count": top},
+        {**snapshot_record(3, top, "the last version there is"), "updated_at_ms": 20},
+    ]
+    assert client.ok("/v1/memories/sync", {"memories": snapshot})["inserted"] == 3
+    for _ in range(2):
+        cards = client.ok("/v1/memories/scan", {"query": "saturated counter gotcha", "limit": 5})
+        assert sorted(card["key"]["id"] for card in cards["candidates"]) == [1, 2]
+        read = client.ok("/v1/memories/read", {"ids": [1, 2]})["memories"]
+        assert [r["key"]["id"] for r in read] == [1, 2]
+    exported = {r["key"]["id"]: r for r in client.export(["alice"])}
+    assert (exported[1]["scan_count"], exported[1]["use_count"]) == (top, 2)
+    assert (exported[2]["scan_count"], exported[2]["use_count"]) == (2, top)
+    last = {"content": "one version more", "replacement": {"id": 3, "version": top, **NS}}
+    assert_error(client.call("/v1/memories/put", last), 409, "conflict")
+    assert exported[3]["key"]["version"] == top and exported[3]["content"] == snapshot[2]["content"]
+
+
+
+
 def test_export_paginates_all_or_selected_without_deduplication(client: Client) -> None:
     client.put("same normalized content")
     client.put("alice second export note")
