@@ -572,6 +572,193 @@ _UPDATE: Final = (
     " use_count = ?, probation_until_ms = ? WHERE namespace = ? AND id = ?"
 )
 _CAPPED: Final = "CASE WHEN {0} < 9223372036854775807 THEN {0} + 1 ELSE {0} END"
+_SQLITE_TYPES: Final = {"ns": "TEXT", "int": "INTEGER", "strict": " STRICT"}
+_POSTGRES_TYPES: Final = {"ns": 'TEXT COLLATE "C"', "int": "BIGINT", "strict": ""}
+
+
+# ------------------------------------------------------------------------ what the server trusts
+# The local store's rules for a hostile file, applied to the server's database: inspect before
+# anything writes, and refuse what tactmem-server did not create. A trigger, rule or policy
+# would run on the server's own writes (an AFTER INSERT ... DELETE loses every acknowledged
+# put), a changed table breaks its rules, another application's tables are not team memory.
+
+
+def _not_ours(where: str, kind: str) -> tactmem.StorageError:
+    article = "an" if kind[0] in "aeiou" else "a"
+    return tactmem.StorageError(
+        f"the {where} is not a tactmem-server database"
+        f" (it holds {article} {kind} tactmem-server did not create)"
+    )
+
+
+@functools.cache
+def _sqlite_objects() -> frozenset[tuple[object, object, object]]:
+    """The schema objects tactmem-server creates in a SQLite file, as SQLite records them
+    (`_SCHEMA` run on an empty in-memory database), and the statistics table `ANALYZE` adds."""
+    connection = sqlite3.connect(":memory:")
+    try:
+        for statement in (*(sql.format(**_SQLITE_TYPES) for sql in _SCHEMA), "ANALYZE"):
+            connection.execute(statement)
+        return frozenset(tactmem._schema_objects(connection))
+    finally:
+        connection.close()
+
+
+# What a file the server made reports besides its objects: a local tactmem store's
+# user_version is 1, and text that is not UTF-8 would make stored lengths other bytes than
+# the bounds count.
+_SQLITE_PRAGMAS: Final = (
+    ("user_version", 0, "user_version"),
+    ("encoding", "UTF-8", "text encoding"),
+)
+
+
+def _check_sqlite(connection: sqlite3.Connection) -> None:
+    """Refuse a SQLite file holding anything tactmem-server does not create (each object's
+    whole SQL compared), or another user_version or text encoding."""
+    for kind, _, _ in tactmem._schema_objects(connection) - _sqlite_objects():
+        raise _not_ours("file", str(kind))
+    for pragma, expected, what in _SQLITE_PRAGMAS:
+        if connection.execute(f"PRAGMA {pragma}").fetchone() != (expected,):
+            raise _not_ours("file", f"{what} other than {expected}")
+
+
+def _inspect_sqlite(path: str) -> None:
+    """`_check_sqlite` through a read-only connection first (tactmem's `_inspect`, with the
+    server's rules), so that a refused file is never written: not by a journal-mode change, nor
+    by SQLite checkpointing a WAL file as it closes. A WAL file without a log is opened
+    immutable, which leaves no -shm beside it. A hot journal cannot be read read-only; the
+    read-write connection rolls it back (as any SQLite writer does) and checks the file after."""
+    name = path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    try:
+        with open(path, "rb") as file:
+            settled = file.read(20)[18:] == b"\x02\x02" and not os.path.exists(path + "-wal")
+    except OSError:
+        raise tactmem.StorageError("could not open the memory database file") from None
+    connection = tactmem._open(f"file:{name}?mode=ro{'&immutable=1' * settled}", LIMITS, uri=True)
+    try:
+        _check_sqlite(connection)
+    except sqlite3.OperationalError as error:
+        if not getattr(error, "sqlite_errorname", "").startswith("SQLITE_READONLY"):
+            raise
+    finally:
+        connection.close()
+
+
+# What the schema the server uses (`current_schema()`) holds, and what is attached to its
+# tables from anywhere: one `(kind, name, definition)` row per object, a table's columns and
+# constraints folded into its definition, so that each table compares whole, as in SQLite.
+_POSTGRES_CATALOG: Final = """
+WITH here AS (SELECT oid FROM pg_namespace WHERE nspname = current_schema()),
+rel AS (
+    SELECT c.oid, c.relname, c.relkind, c.relrowsecurity OR c.relforcerowsecurity AS secured
+      FROM pg_class c JOIN here ON c.relnamespace = here.oid
+),
+part AS (
+    SELECT a.attrelid AS rel, concat_ws(' ', quote_ident(a.attname),
+           format_type(a.atttypid, a.atttypmod), CASE WHEN a.attnotnull THEN 'NOT NULL' END,
+           'DEFAULT ' || pg_get_expr(d.adbin, d.adrelid), 'COLLATE ' || quote_ident(co.collname),
+           CASE WHEN a.attgenerated <> '' THEN 'GENERATED' END,
+           CASE WHEN a.attidentity <> '' THEN 'IDENTITY' END) AS text
+      FROM pg_attribute a
+      LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+      LEFT JOIN pg_collation co ON co.oid = a.attcollation AND co.collname <> 'default'
+     WHERE a.attrelid IN (SELECT oid FROM rel WHERE relkind IN ('r', 'p')) AND a.attnum > 0
+       AND NOT a.attisdropped
+    UNION ALL
+    SELECT conrelid, quote_ident(conname) || ' ' || pg_get_constraintdef(oid) FROM pg_constraint
+     WHERE conrelid IN (SELECT oid FROM rel) AND contype <> 'n'
+)
+SELECT CASE WHEN relkind IN ('r', 'p') THEN 'table' WHEN relkind IN ('i', 'I') THEN 'index'
+            WHEN relkind IN ('v', 'm') THEN 'view' WHEN relkind = 'S' THEN 'sequence'
+            ELSE 'relation' END,
+       relname,
+       CASE WHEN relkind IN ('i', 'I') THEN
+            replace(pg_get_indexdef(oid), ' ON ' || quote_ident(current_schema()) || '.', ' ON ')
+            ELSE COALESCE((SELECT string_agg(text, ', ' ORDER BY text COLLATE "C") FROM part
+                            WHERE part.rel = rel.oid), '') END
+  FROM rel
+UNION ALL SELECT 'row security setting', relname, '' FROM rel WHERE secured
+UNION ALL SELECT 'function', p.oid::regprocedure::text, '' FROM pg_proc p
+           JOIN here ON p.pronamespace = here.oid
+UNION ALL SELECT 'type', t.typname, '' FROM pg_type t JOIN here ON t.typnamespace = here.oid
+           WHERE t.typrelid = 0
+             AND NOT EXISTS (SELECT FROM pg_type e WHERE e.oid = t.typelem AND e.typrelid <> 0)
+UNION ALL SELECT 'operator', o.oid::regoperator::text, '' FROM pg_operator o
+           JOIN here ON o.oprnamespace = here.oid
+UNION ALL SELECT 'trigger', tgname, '' FROM pg_trigger
+           WHERE NOT tgisinternal AND tgrelid IN (SELECT oid FROM rel)
+UNION ALL SELECT 'rule', rulename, '' FROM pg_rewrite
+           WHERE rulename <> '_RETURN' AND ev_class IN (SELECT oid FROM rel)
+UNION ALL SELECT 'policy', polname, '' FROM pg_policy WHERE polrelid IN (SELECT oid FROM rel)
+UNION ALL SELECT 'inheritance', inhrelid::regclass::text, inhparent::regclass::text
+           FROM pg_inherits
+           WHERE inhparent IN (SELECT oid FROM rel) OR inhrelid IN (SELECT oid FROM rel)
+UNION ALL SELECT 'foreign key', conname, conrelid::regclass::text FROM pg_constraint
+           WHERE confrelid IN (SELECT oid FROM rel) AND conrelid NOT IN (SELECT oid FROM rel)
+UNION ALL SELECT 'event trigger', evtname, '' FROM pg_event_trigger
+"""
+
+
+def _table(*parts: str) -> str:
+    return ", ".join(sorted(parts))
+
+
+# Exactly what `_SCHEMA` creates, as `_POSTGRES_CATALOG` describes it (PostgreSQL 15; a test
+# checks that a database the server creates holds this and nothing else).
+_POSTGRES_OBJECTS: Final = frozenset({
+    ("table", "memory_namespaces", _table(
+        "namespace text NOT NULL COLLATE \"C\"", "next_id bigint NOT NULL DEFAULT 1",
+        "changes bigint NOT NULL DEFAULT 0",
+        "memory_namespaces_next_id_check CHECK ((next_id > 0))",
+        "memory_namespaces_pkey PRIMARY KEY (namespace)",
+    )),
+    ("table", "memories", _table(
+        "namespace text NOT NULL COLLATE \"C\"", "id bigint NOT NULL", "version bigint NOT NULL",
+        "content text NOT NULL", "identity text NOT NULL", "created_at_ms bigint NOT NULL",
+        "updated_at_ms bigint NOT NULL", "last_scanned_at_ms bigint",
+        "scan_count bigint NOT NULL DEFAULT 0", "last_used_at_ms bigint",
+        "use_count bigint NOT NULL DEFAULT 0", "probation_until_ms bigint",
+        "memories_id_check CHECK ((id > 0))", "memories_version_check CHECK ((version > 0))",
+        "memories_scan_count_check CHECK ((scan_count >= 0))",
+        "memories_use_count_check CHECK ((use_count >= 0))",
+        "memories_namespace_fkey FOREIGN KEY (namespace) REFERENCES memory_namespaces(namespace)",
+        "memories_pkey PRIMARY KEY (namespace, id)",
+        "memories_namespace_identity_key UNIQUE (namespace, identity)",
+    )),
+    ("index", "memory_namespaces_pkey", "CREATE UNIQUE INDEX memory_namespaces_pkey"
+     " ON memory_namespaces USING btree (namespace)"),
+    ("index", "memories_pkey", "CREATE UNIQUE INDEX memories_pkey ON memories USING btree"
+     " (namespace, id)"),
+    ("index", "memories_namespace_identity_key", "CREATE UNIQUE INDEX"
+     " memories_namespace_identity_key ON memories USING btree (namespace, identity)"),
+    ("index", "memories_probation", "CREATE INDEX memories_probation ON memories USING btree"
+     " (probation_until_ms) WHERE (probation_until_ms IS NOT NULL)"),
+})  # fmt: skip
+
+
+def _check_postgres(found: set[tuple[Any, ...]]) -> None:
+    """Refuse a PostgreSQL database holding what tactmem-server does not create (what
+    `_POSTGRES_CATALOG` finds beyond `_POSTGRES_OBJECTS`); what is missing is created."""
+    for kind, _, _ in sorted(found - _POSTGRES_OBJECTS):
+        raise _not_ours("PostgreSQL database", kind)
+
+
+# Run in every PostgreSQL transaction, in the round trip that sets its timeouts: the tables
+# held against a change until commit (a new trigger, rule or policy needs a lock this one
+# conflicts with), then what would run on the server's statements is counted: a trigger, a
+# rule, a policy or row security, an inheriting table. Anything is refused, nothing written.
+_POSTGRES_GUARD: Final = """LOCK TABLE memory_namespaces, memories IN ROW EXCLUSIVE MODE;
+WITH ours AS (SELECT 'memories'::regclass::oid AS oid
+              UNION ALL SELECT 'memory_namespaces'::regclass)
+SELECT count(*) FROM (
+    SELECT FROM pg_trigger WHERE tgrelid IN (SELECT oid FROM ours) AND NOT tgisinternal
+    UNION ALL SELECT FROM pg_rewrite WHERE ev_class IN (SELECT oid FROM ours)
+    UNION ALL SELECT FROM pg_policy WHERE polrelid IN (SELECT oid FROM ours)
+    UNION ALL SELECT FROM pg_inherits WHERE inhparent IN (SELECT oid FROM ours)
+    UNION ALL SELECT FROM pg_class
+               WHERE oid IN (SELECT oid FROM ours) AND (relrowsecurity OR relforcerowsecurity)
+) attached"""
 
 
 def _marks(count: int) -> str:
@@ -627,36 +814,39 @@ class SqliteEngine:
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(os.path.expanduser(path))
         self._lock = threading.Lock()
+        self._schema_cookie = -1  # the file's `schema_version` when it was last checked
         tactmem._prepare_file(self.path)  # 0600 in 0700 directories
         try:
+            _inspect_sqlite(self.path)  # read-only: a refused file is never written
             connection = tactmem._open(
                 self.path, tactmem.Limits(), isolation_level=None, check_same_thread=False
             )
-        except sqlite3.Error as error:
+        except sqlite3.Error as error:  # such as a file that is not SQLite at all
             raise tactmem._storage_error(error) from None
         self._connection = connection
         try:
+            _check_sqlite(connection)  # again, on the connection that writes: before it does
             connection.execute("PRAGMA journal_mode = WAL")
             connection.execute("PRAGMA synchronous = FULL")
             connection.execute("PRAGMA secure_delete = ON")
             connection.execute("PRAGMA foreign_keys = ON")
             with self.transaction(time.monotonic() + STORE_TIMEOUT_S) as tx:
-                self._check_schema(tx)
                 for statement in _SCHEMA:
-                    tx.run(statement.format(ns="TEXT", int="INTEGER", strict=" STRICT"))
+                    tx.run(statement.format(**_SQLITE_TYPES))
         except BaseException as error:
             connection.close()
-            if isinstance(error, sqlite3.Error):  # such as a file that is not SQLite at all
+            if isinstance(error, sqlite3.Error):
                 raise tactmem._storage_error(error) from None
             raise
 
-    @staticmethod
-    def _check_schema(tx: _Tx) -> None:
-        tables = {
-            name for (name,) in tx.rows("SELECT name FROM sqlite_schema WHERE type = 'table'")
-        }
-        if tables - {"memories", "memory_namespaces"} or tables == {"memories"}:
-            raise tactmem.StorageError("the file is not a tactmem-server database")
+    def _check_file(self, connection: sqlite3.Connection) -> None:
+        """The whole file checked again (`_check_sqlite`) whenever its schema changed since
+        this engine last looked, in the write transaction before anything writes: a trigger
+        planted under a running server is refused before it can run."""
+        (cookie,) = connection.execute("PRAGMA schema_version").fetchone()
+        if cookie != self._schema_cookie:
+            _check_sqlite(connection)
+            self._schema_cookie = cookie
 
     @contextlib.contextmanager
     def transaction(self, deadline: float) -> Iterator[_Tx]:
@@ -666,6 +856,7 @@ class SqliteEngine:
             connection = self._connection
             tactmem._begin_immediate(connection, deadline)
             try:
+                self._check_file(connection)
                 yield _SqliteTx(connection)
                 connection.execute("COMMIT")
             except BaseException:
@@ -734,29 +925,48 @@ class PostgresEngine:
             self._pool.close()
             raise tactmem.StorageError("could not connect to PostgreSQL") from None
         try:
-            with self.transaction(time.monotonic() + STORE_TIMEOUT_S) as tx:
-                (encoding,) = tx.rows("SHOW server_encoding")[0]
-                if encoding != "UTF8":
-                    raise tactmem.StorageError("the PostgreSQL database must use UTF8 encoding")
-                tx.run("SELECT pg_advisory_xact_lock(7406158229)")  # one schema writer at a time
-                for statement in _SCHEMA:
-                    tx.run(statement.format(ns='TEXT COLLATE "C"', int="BIGINT", strict=""))
+            with self._transaction(time.monotonic() + STORE_TIMEOUT_S, guarded=False) as tx:
+                self._create(tx)
         except BaseException:
             self._pool.close()
             raise
 
+    @staticmethod
+    def _create(tx: _Tx) -> None:
+        """Check the database before any write (UTF8, and nothing tactmem-server did not
+        create), then create what is missing: an empty database gets the two tables."""
+        (encoding,) = tx.rows("SHOW server_encoding")[0]
+        if encoding != "UTF8":
+            raise tactmem.StorageError("the PostgreSQL database must use UTF8 encoding")
+        tx.run("SELECT pg_advisory_xact_lock(7406158229)")  # one schema writer at a time
+        found = set(tx.rows(_POSTGRES_CATALOG))
+        _check_postgres(found)
+        if found != _POSTGRES_OBJECTS:
+            for statement in _SCHEMA:
+                tx.run(statement.format(**_POSTGRES_TYPES))
+
+    def transaction(self, deadline: float) -> contextlib.AbstractContextManager[_Tx]:
+        return self._transaction(deadline, guarded=True)
+
     @contextlib.contextmanager
-    def transaction(self, deadline: float) -> Iterator[_Tx]:
+    def _transaction(self, deadline: float, *, guarded: bool) -> Iterator[_Tx]:
+        """One transaction with the deadline as its statement and lock timeouts and, when
+        `guarded`, `_POSTGRES_GUARD` run first, in the same round trip."""
         errors = self._psycopg.errors
         try:
             pooled = self._pool.connection(timeout=_deadline_left(deadline))
             with pooled as connection, connection.transaction():
-                left = f"{max(1, int(_deadline_left(deadline) * 1000))}ms"
-                connection.execute(
-                    "SELECT set_config('statement_timeout', %s, true),"
-                    " set_config('lock_timeout', %s, true)",
-                    (left, left),
+                left = max(1, int(_deadline_left(deadline) * 1000))
+                timeouts = f"SET LOCAL statement_timeout = {left}; SET LOCAL lock_timeout = {left}"
+                cursor = connection.execute(
+                    f"{timeouts}; {_POSTGRES_GUARD}" if guarded else timeouts
                 )
+                while cursor.nextset():  # to the guard's count
+                    pass
+                if guarded and cursor.fetchone() != (0,):
+                    raise _not_ours(
+                        "PostgreSQL database", "trigger, rule, policy or inheriting table"
+                    )
                 yield _PostgresTx(connection)
                 _deadline_left(deadline)  # past it, roll back: the caller was told 503
         except (errors.DeadlockDetected, errors.SerializationFailure):
@@ -769,7 +979,7 @@ class PostgresEngine:
             raise tactmem.StorageError("PostgreSQL operation failed") from None
 
     def check(self, deadline: float) -> None:
-        with self.transaction(deadline) as tx:
+        with self._transaction(deadline, guarded=False) as tx:
             tx.rows("SELECT 1")
 
     def close(self) -> None:

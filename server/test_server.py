@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -553,8 +554,6 @@ def test_counters_at_their_limit_saturate_or_are_refused(client: Client) -> None
     last = {"content": "one version more", "replacement": {"id": 3, "version": top, **NS}}
     assert_error(client.call("/v1/memories/put", last), 409, "conflict")
     assert exported[3]["key"]["version"] == top and exported[3]["content"] == snapshot[2]["content"]
-
-
 
 
 def test_export_paginates_all_or_selected_without_deduplication(client: Client) -> None:
@@ -1120,9 +1119,10 @@ ODD_VALUES: list[tuple[str, bytes]] = [
 ]  # fmt: skip
 
 
-def _start_refused(arguments: list[str | bytes]) -> str | None:
-    """Start a real server that must refuse at once: one line on stderr, exit status 2, no
-    traceback (a hang fails by the timeout rather than holding the suite). What went wrong."""
+def _start_refused(arguments: list[str | bytes], saying: str = "") -> str | None:
+    """Start a real server that must refuse at once: one line on stderr (`saying` this), exit
+    status 2, no traceback (a hang fails by the timeout rather than holding the suite). What
+    went wrong, if anything."""
     try:
         run = subprocess.run([*SERVER, *arguments], capture_output=True, timeout=20)
     except subprocess.TimeoutExpired:
@@ -1131,7 +1131,7 @@ def _start_refused(arguments: list[str | bytes]) -> str | None:
     one_line = stderr.startswith("tactmem-server: ") and stderr.count("\n") == 1
     if run.returncode != 2 or not one_line or "Traceback" in stderr or run.stdout:
         return f"{arguments}: exit {run.returncode}, {stderr[-300:]!r}"
-    return None
+    return None if saying in stderr else f"{arguments}: {stderr!r}"
 
 
 def test_every_start_up_input_is_one_line_and_exit_2(
@@ -1206,6 +1206,220 @@ def test_a_tactmem_store_file_is_not_a_team_database(
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode == 2 and "not a tactmem-server database" in run.stderr
+
+
+def _server_file(path: pathlib.Path) -> None:
+    """A SQLite file as tactmem-server leaves it: its tables and one record."""
+    store = tactmem_server.TeamStore(tactmem_server.SqliteEngine(str(path)))
+    put = tactmem._check_put("a record the server wrote", None, tactmem.Limits(), tactmem._now_ms())
+    store.put("alice", put, time.monotonic() + 30)
+    store.close()
+
+
+def _run_sql(path: pathlib.Path, *statements: str) -> None:
+    with contextlib.closing(sqlite3.connect(path)) as connection, connection:
+        for statement in statements:
+            connection.execute(statement)
+
+
+_LOOSE_MEMORIES = tactmem_server._SCHEMA[1].format(ns="TEXT", int="INTEGER", strict="")
+SQLITE_PLANTED = {  # what a foreign writer adds to a file the server made
+    "trigger": "CREATE TRIGGER lose AFTER INSERT ON memories BEGIN"
+    " DELETE FROM memories WHERE namespace = NEW.namespace AND id = NEW.id; END",
+    "view": "CREATE VIEW everything AS SELECT * FROM memories",
+    "index": "CREATE INDEX by_content ON memories (content)",
+    "table": "CREATE TABLE app_users (id INTEGER PRIMARY KEY, email TEXT)",
+    "user version": "PRAGMA user_version = 3",
+    "memories of another definition": f"DROP TABLE memories; {_LOOSE_MEMORIES}",
+}
+
+
+def _foreign_sqlite_file(path: pathlib.Path, kind: str) -> None:
+    if kind in SQLITE_PLANTED:
+        _server_file(path)
+        with contextlib.closing(sqlite3.connect(path)) as connection:
+            connection.executescript(SQLITE_PLANTED[kind])
+    elif kind == "another application":
+        _run_sql(path, "CREATE TABLE accounts (id INTEGER PRIMARY KEY, email TEXT)")
+    elif kind == "a local tactmem store":
+        with tactmem.Store(path) as store:
+            store.put("a local conclusion")
+    else:  # the server's own tables, in a file whose text is UTF-16
+        with contextlib.closing(sqlite3.connect(path)) as connection:
+            connection.execute("PRAGMA encoding = 'UTF-16le'")
+            for statement in tactmem_server._SCHEMA:
+                connection.execute(statement.format(ns="TEXT", int="INTEGER", strict=" STRICT"))
+
+
+def _files_of(directory: pathlib.Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def _refused_untouched(arguments: list[str], watched: Callable[[], object]) -> str | None:
+    """Start a real server on a database it must refuse; what went wrong, if anything: it
+    must say so in one line and exit 2, and leave what `watched` sees (every file of the
+    database's directory, or a dump of the PostgreSQL database) as it was."""
+    before = watched()
+    failed = _start_refused([*arguments, "--port", "0"], "not a tactmem-server database")
+    if watched() != before:
+        failed = f"{arguments}: the refused database changed ({failed})"
+    return failed
+
+
+def test_a_sqlite_file_the_server_did_not_create_is_refused_untouched(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
+    """The local store's rules, before anything writes: a file holding a trigger (one that
+    deletes every row the server inserts), a view, an index or a table the server did not
+    create, a `memories` table of another definition, another user_version, UTF-16 text,
+    another application's tables or a local tactmem store is refused, byte for byte as it
+    was, and no -wal or -shm file appears beside it."""
+    kinds = [*SQLITE_PLANTED, "another application", "a local tactmem store", "UTF-16 text"]
+
+    def refused(number: int) -> str | None:
+        directory = tmp_path / f"f{number}"
+        directory.mkdir()
+        _foreign_sqlite_file(directory / "team.sqlite3", kinds[number])
+        arguments = ["--sqlite", str(directory / "team.sqlite3"), "--credentials", credentials]
+        return _refused_untouched(arguments, lambda: _files_of(directory))
+
+    with ThreadPoolExecutor(4) as pool:
+        failures = [failed for failed in pool.map(refused, range(len(kinds))) if failed]
+    assert not failures, "\n".join(failures)
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    _server_file(ours / "team.sqlite3")
+    _run_sql(ours / "team.sqlite3", "ANALYZE")  # an operator's statistics are welcome
+    server = Server(["--sqlite", str(ours / "team.sqlite3")], credentials)
+    try:
+        assert [r["content"] for r in server.client.export()] == ["a record the server wrote"]
+    finally:
+        server.stop()
+
+
+_ELSEWHERE = "CREATE SCHEMA elsewhere"
+_LOSE = (
+    "CREATE FUNCTION elsewhere.lose() RETURNS trigger LANGUAGE plpgsql AS"
+    " 'BEGIN DELETE FROM memories WHERE namespace = NEW.namespace AND id = NEW.id; RETURN NULL;"
+    " END'"
+)
+POSTGRES_PLANTED: dict[str, list[str]] = {  # what another application adds beside the tables
+    "a table": ["CREATE TABLE notes (id bigint PRIMARY KEY, body text)"],
+    "a view": ["CREATE VIEW everything AS SELECT * FROM memories"],
+    "a materialized view": ["CREATE MATERIALIZED VIEW counted AS SELECT count(*) FROM memories"],
+    "a sequence": ["CREATE SEQUENCE tickets"],
+    "a function": ["CREATE FUNCTION answer() RETURNS int LANGUAGE sql AS 'SELECT 42'"],
+    "a type": ["CREATE TYPE mood AS ENUM ('fine')"],
+    "an operator": [
+        "CREATE FUNCTION text_eq(text, text) RETURNS boolean LANGUAGE sql AS 'SELECT true'",
+        "CREATE OPERATOR === (LEFTARG = text, RIGHTARG = text, FUNCTION = text_eq)",
+    ],
+    "a trigger": [
+        _ELSEWHERE, _LOSE,
+        "CREATE TRIGGER lose AFTER INSERT ON memories FOR EACH ROW"
+        " EXECUTE FUNCTION elsewhere.lose()",
+    ],
+    "a rule": ["CREATE RULE lose AS ON INSERT TO memories DO INSTEAD NOTHING"],
+    "a policy": [
+        "ALTER TABLE memories ENABLE ROW LEVEL SECURITY",
+        "CREATE POLICY hidden ON memories USING (false)",
+    ],
+    "row security alone": ["ALTER TABLE memories FORCE ROW LEVEL SECURITY"],
+    "an index": ["CREATE INDEX by_content ON memories (content)"],
+    "a column": ["ALTER TABLE memories ADD COLUMN note text"],
+    "a dropped check": ["ALTER TABLE memories DROP CONSTRAINT memories_version_check"],
+    "another column type": ["ALTER TABLE memories ALTER COLUMN scan_count TYPE numeric"],
+    "another collation": ['ALTER TABLE memories ALTER COLUMN content TYPE text COLLATE "POSIX"'],
+    "a child table elsewhere": [_ELSEWHERE, "CREATE TABLE elsewhere.more () INHERITS (memories)"],
+    "a foreign key from elsewhere": [
+        _ELSEWHERE,
+        'CREATE TABLE elsewhere.pins (ns text COLLATE "C", id bigint,'
+        " FOREIGN KEY (ns, id) REFERENCES memories (namespace, id))",
+    ],
+    "an event trigger": [
+        _ELSEWHERE,
+        "CREATE FUNCTION elsewhere.watch() RETURNS event_trigger LANGUAGE plpgsql AS"
+        " 'BEGIN END'",
+        "CREATE EVENT TRIGGER watch ON ddl_command_start EXECUTE FUNCTION elsewhere.watch()",
+    ],
+}  # fmt: skip
+
+
+def _dump(cluster: Cluster, database: str) -> str:
+    """The whole database as pg_dump writes it: schema, data and privileges."""
+    pg_dump = _postgres_binary("pg_dump")
+    assert pg_dump is not None
+    command = [pg_dump, "-h", cluster.socket_dir, "-U", "postgres", "--no-sync", database]
+    dump = subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout
+    return re.sub(r"(?m)^\\(un)?restrict .*$", "", dump)  # a random key each run
+
+
+def test_a_postgres_database_the_server_did_not_create_is_refused_untouched(
+    cluster: Cluster, credentials: str
+) -> None:
+    """Before it writes anything, the server compares what the schema it uses holds (tables,
+    views, sequences, functions, types, operators, indexes, every column and constraint of
+    its own tables) and what is attached to its tables from anywhere (triggers, rules,
+    policies, row security, inheriting tables, foreign keys), and the database's event
+    triggers, with exactly what it creates: another application's database, or the server's
+    own with anything added or changed, is refused and left as it was (its dump identical)."""
+
+    def refused(kind: str) -> str | None:
+        database = cluster.new_database()
+        url = cluster.url(database)
+        if kind != "another application":
+            tactmem_server.PostgresEngine(url, pool_size=1).close()
+        statements = POSTGRES_PLANTED.get(kind, ["CREATE TABLE accounts (id bigint, email text)"])
+        outside(["--postgres", url], *[(statement, []) for statement in statements])
+        arguments = ["--postgres", url, "--credentials", credentials]
+        return _refused_untouched(arguments, lambda: _dump(cluster, database))
+
+    with ThreadPoolExecutor(4) as pool:
+        kinds = [*POSTGRES_PLANTED, "another application"]
+        failures = [failed for failed in pool.map(refused, kinds) if failed]
+    assert not failures, "\n".join(failures)
+    import psycopg
+
+    database = cluster.new_database()  # what the server creates is exactly what it accepts
+    tactmem_server.PostgresEngine(cluster.url(database), pool_size=1).close()
+    with psycopg.connect(cluster.dsn(database)) as connection:
+        connection.execute("ANALYZE")  # an operator's statistics are welcome
+        found = set(connection.execute(tactmem_server._POSTGRES_CATALOG).fetchall())
+    assert found == tactmem_server._POSTGRES_OBJECTS
+    server = Server(["--postgres", cluster.url(database)], credentials)
+    try:
+        assert server.client.put("the server's own database")["key"]["id"] == 1
+    finally:
+        server.stop()
+
+
+def test_a_trigger_planted_under_a_running_server_loses_nothing(
+    backend: list[str], start: Callable[..., Server]
+) -> None:
+    """A trigger added while the server runs (one that deletes every row the server inserts)
+    is found before the next operation writes: every operation is then 500 `internal`,
+    logged with its class, nothing acknowledged is lost, and the server serves again once
+    the trigger is gone. SQLite checks the whole file whenever its schema changed; PostgreSQL
+    checks what runs on its tables (triggers, rules, policies, inheriting tables) in every
+    transaction, holding the tables against a change until it commits."""
+    server = start()
+    client = server.client
+    kept = client.put("written before the trigger")
+    if backend[0] == "--sqlite":
+        plant, remove = [SQLITE_PLANTED["trigger"]], ["DROP TRIGGER lose"]
+    else:
+        plant, remove = POSTGRES_PLANTED["a trigger"], ["DROP TRIGGER lose ON memories"]
+    outside(backend, *[(statement, []) for statement in plant])
+    for route, body in (("put", {"content": "never lost in silence"}), ("list", None)):
+        assert_error(client.call(f"/v1/memories/{route}", body), 500, "internal")
+    outside(backend, *[(statement, []) for statement in remove])
+    assert client.export() == [kept]
+    assert client.put("written once the trigger is gone")["key"]["id"] == 2
+    server.stop()
+    failed = [e for e in _events(server) if e.get("status") == 500]
+    assert [(e["operation"], e["error_type"]) for e in failed] == [
+        ("put", "StorageError"), ("list", "StorageError"),
+    ]  # fmt: skip
 
 
 # ============================================================================ several processes
