@@ -789,24 +789,37 @@ def _deadline_left(deadline: float) -> float:
     return left
 
 
+# The statements that remove or overwrite a record's text: a delete (of a record, a pruned
+# one, a namespace a sync replaces) and the update a replace makes.
+_ERASING: Final = ("DELETE FROM memories ", _UPDATE)
+
+
 class _SqliteTx:
+    """A transaction's statements; `erased` once one of them removed or overwrote text."""
+
     def __init__(self, connection: sqlite3.Connection) -> None:
         self.connection = connection
+        self.erased = False
 
     def rows(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
         return self.connection.execute(sql, params).fetchall()
 
     def run(self, sql: str, params: Sequence[object] = ()) -> None:
-        self.connection.execute(sql, params)
+        self._note(sql, self.connection.execute(sql, params))
 
     def many(self, sql: str, params: Iterable[Sequence[object]]) -> None:
-        self.connection.executemany(sql, params)
+        self._note(sql, self.connection.executemany(sql, params))
+
+    def _note(self, sql: str, cursor: sqlite3.Cursor) -> None:
+        self.erased = self.erased or (sql.startswith(_ERASING) and cursor.rowcount > 0)
 
 
 class SqliteEngine:
     """One SQLite file: every transaction `BEGIN IMMEDIATE`, so the whole file is the lock
     (several server processes may share the file). WAL with full sync: a committed write
-    survives a crash of the process or the machine."""
+    survives a crash of the process or the machine. `secure_delete` zeroes a removed text in
+    its page, and a commit that removed or overwrote text is checkpointed into the main file
+    with the WAL truncated, so no older copy of the page outlives the answer."""
 
     bytes_sql = "length(CAST(content AS BLOB))"
     lock_sql = ""
@@ -857,12 +870,15 @@ class SqliteEngine:
             tactmem._begin_immediate(connection, deadline)
             try:
                 self._check_file(connection)
-                yield _SqliteTx(connection)
+                tx = _SqliteTx(connection)
+                yield tx
                 connection.execute("COMMIT")
             except BaseException:
                 if connection.in_transaction:
                     connection.execute("ROLLBACK")
                 raise
+            if tx.erased:  # waits (the busy timeout) for another process's transaction to end
+                connection.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         except sqlite3.Error as error:
             raise tactmem._storage_error(error) from None
         finally:

@@ -989,6 +989,39 @@ def test_scan_offers_only_what_read_returns(
     assert [card["key"] for card in scan["candidates"]] == [shown["key"]]
 
 
+def test_what_is_gone_leaves_no_copy_in_the_sqlite_files(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
+    """Deleted, replaced, synced-away and pruned content is in neither the main file nor its
+    -wal (nor a journal) once the operation is acknowledged: secure_delete zeroes it in the
+    pages, and no older copy of a page is kept beside them."""
+    server = Server(["--sqlite", str(tmp_path / "team.sqlite3")], credentials)
+    client = server.client
+
+    def on_disk(marker: str) -> bool:
+        files = [path.read_bytes() for path in tmp_path.glob("team.sqlite3*")]
+        return any(marker.encode() in data for data in files)
+
+    try:
+        deleted = client.put("zebracorn-deleted note")
+        assert on_disk("zebracorn-deleted")  # while a record lives, its text is on disk
+        assert client.call("/v1/memories/delete", {"key": deleted["key"]}) == (200, b"{}")
+        assert not on_disk("zebracorn-deleted")
+        replaced = client.put("zebracorn-replaced note")
+        client.put("its successor, in other words", replacement=replaced["key"])
+        assert not on_disk("zebracorn-replaced") and on_disk("its successor")
+        synced = [snapshot_record(7, 1, "zebracorn-synced note")]
+        client.ok("/v1/memories/sync", {"memories": synced}, namespace="bob")
+        client.ok("/v1/memories/sync", {"memories": []}, namespace="bob")
+        assert not on_disk("zebracorn-synced")
+        expired = {**snapshot_record(8, 1, "zebracorn-pruned note"), "probation_until_ms": 1}
+        client.ok("/v1/memories/sync", {"memories": [expired]}, namespace="bob")
+        client.ok("/v1/memories/list")  # any operation but a delete prunes, in every namespace
+        assert not on_disk("zebracorn-pruned")
+    finally:
+        server.stop()
+
+
 def test_graceful_shutdown_finishes_requests_in_flight(
     backend: list[str], start: Callable[..., Server]
 ) -> None:
