@@ -19,6 +19,8 @@ Command line::
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
 import contextlib
 import errno
 import functools
@@ -30,6 +32,7 @@ import logging
 import math
 import os
 import re
+import resource
 import socket
 import sqlite3
 import stat
@@ -49,7 +52,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 from tactmem import Key, Record, TactmemError
 
 __version__ = "0.1.0"
@@ -64,12 +67,16 @@ __all__ = [
 PROTOCOL_VERSION: Final = 1
 LIMITS: Final = tactmem.Limits()  # the protocol's bounds, per namespace
 MAX_BODY_BYTES: Final = 2 * 1024 * 1024
-MAX_IN_FLIGHT: Final = 64
+MAX_IN_FLIGHT: Final = 64  # places for store work: a request takes one once its body is in
+READ_TIMEOUT_S: Final = 10.0  # for a request's head, and then for its body
+MAX_CONNECTIONS: Final = 1024  # open connections, fewer when open files are short
+_FILES_KEPT: Final = 64  # open files the connection bound leaves for the store, logs and the rest
 STORE_TIMEOUT_S: Final = 30.0
 MAX_EXPORT_PAGE: Final = 128
 MCP_PATH: Final = "/mcp"
 MCP_SESSION_IDLE_S: Final = 30 * 60.0  # an MCP session unused this long is closed
-MCP_MAX_SESSIONS: Final = 1024  # open MCP sessions per server process; more wait (503)
+MCP_MAX_SESSIONS: Final = 1024  # open MCP sessions per server process
+MCP_SESSIONS_PER_TOKEN: Final = 64  # a token opening more closes its least recently used
 _MAX_I64: Final = 2**63 - 1
 _MAX_U64: Final = 2**64 - 1
 _NAMESPACE: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -1622,6 +1629,20 @@ def _log_event(**fields: object) -> None:
     _log.info(json.dumps(fields, separators=(",", ":")))
 
 
+class _ForeignRecords(logging.Handler):
+    """uvicorn's and asyncio's own warnings and errors as JSON lines like every other: the
+    logger, the level, the first line of the message's template (never its arguments, which
+    may hold what a peer sent) and the class of an exception."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        error = record.exc_info[1] if record.exc_info else None
+        _log_event(
+            event="server_log", logger=record.name, level=record.levelname,
+            message=str(record.msg).split("\n", 1)[0][:200],
+            error_type=None if error is None else type(error).__name__,
+        )  # fmt: skip
+
+
 class _Server:
     """The routes over one store and one set of principals."""
 
@@ -1629,7 +1650,8 @@ class _Server:
         self.store = store
         self.principals = principals
         self.timeout_s = timeout_s
-        self.threads = anyio.CapacityLimiter(MAX_IN_FLIGHT)
+        self.places = anyio.CapacityLimiter(MAX_IN_FLIGHT)  # /v1 operations, /mcp tool calls
+        self.threads = anyio.CapacityLimiter(MAX_IN_FLIGHT)  # the worker threads of /v1's
 
     async def handle(self, request: Request) -> Response:
         operation = _ROUTES[request.url.path]
@@ -1662,9 +1684,11 @@ class _Server:
         return Response(data, media_type="application/json")
 
     async def _run(self, operation: _Operation, principal: Principal, body: bytes | None) -> Any:
-        deadline = time.monotonic() + self.timeout_s
+        """The operation in a worker thread, once it has one of the 64 places (its body is
+        read by then: a slow peer holds none); further ones wait their turn. The store timeout
+        starts with the place."""
 
-        def work() -> tuple[Any, dict[str, int]]:
+        def work(deadline: float) -> tuple[Any, dict[str, int]]:
             payload = None
             if operation.body is not None and body is not None:
                 payload = _fields(decode_json(body), _REQUESTS[operation.body], closed=True)
@@ -1673,10 +1697,12 @@ class _Server:
             except TactmemError as error:
                 raise _api_error(error) from None
 
-        with anyio.move_on_after(self.timeout_s + _GRACE_S):
-            return await anyio.to_thread.run_sync(
-                work, limiter=self.threads, abandon_on_cancel=True
-            )
+        async with self.places:
+            deadline = time.monotonic() + self.timeout_s
+            with anyio.move_on_after(self.timeout_s + _GRACE_S):
+                return await anyio.to_thread.run_sync(
+                    work, deadline, limiter=self.threads, abandon_on_cancel=True
+                )
         raise ApiError(503, "unavailable")
 
     @staticmethod
@@ -1694,11 +1720,12 @@ class _Server:
             elapsed_ms=round((time.monotonic() - started) * 1000, 3), **counts,
         )  # fmt: skip
 
-    async def health(self, request: Request) -> Response:
-        """Whether the store answers, and the protocol requests in flight and waiting (no
-        authentication, no content)."""
-        limit: InFlightLimit = request.app.state.limit
-        counts = {"in_flight": limit.active, "waiting": limit.waiting}
+    async def health(self, _request: Request) -> Response:
+        """Whether the store answers, and the operations holding one of the 64 places and
+        waiting for one (no authentication, no content; it takes no place itself, so it
+        answers while they are all taken)."""
+        counts = {"in_flight": self.places.borrowed_tokens}
+        counts["waiting"] = self.places.statistics().tasks_waiting
         deadline = time.monotonic() + min(self.timeout_s, 1.0)
         try:
             await anyio.to_thread.run_sync(
@@ -1715,37 +1742,6 @@ async def _empty_error(_request: Request, error: Exception) -> Response:
     """Unknown routes (404) and wrong methods (405) answer with an empty body, as axum does."""
     assert isinstance(error, HTTPException)
     return Response(b"", error.status_code, headers=error.headers)
-
-
-class InFlightLimit:
-    """At most `limit` protocol requests at once; more wait their turn (the original's 64).
-    `/healthz` is outside the limit, so it answers while the protocol routes are saturated."""
-
-    def __init__(self, app: ASGIApp, limit: int = MAX_IN_FLIGHT) -> None:
-        self.app = app
-        self.limit = limit
-        self.active = 0
-        self.waiting = 0
-        self._semaphore: anyio.Semaphore | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope["path"] if scope["type"] == "http" else ""
-        if not path.startswith("/v1/") and path != MCP_PATH:
-            await self.app(scope, receive, send)
-            return
-        if self._semaphore is None:  # made on the server's event loop
-            self._semaphore = anyio.Semaphore(self.limit)
-        self.waiting += 1
-        try:
-            await self._semaphore.acquire()
-        finally:
-            self.waiting -= 1
-        self.active += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.active -= 1
-            self._semaphore.release()
 
 
 _MCP_CALLER: Final = "tactmem.caller"  # the ASGI scope's (token hash, principal) at /mcp
@@ -1776,6 +1772,7 @@ class _McpEndpoint:
         }
         # Each session's tool and when it was last used, by (session id, token hash).
         self.tools: dict[tuple[str, bytes], tuple[tactmem.MemoryTool, float]] = {}
+        self.book = _SessionBook()
         self.manager: Any = None
         self.ready: anyio.Event | None = None
 
@@ -1790,7 +1787,7 @@ class _McpEndpoint:
             return StreamableHTTPSessionManager(
                 tactmem._mcp_server(self._surface, limiter=self.limiter), json_response=True,
                 session_idle_timeout=MCP_SESSION_IDLE_S, max_request_body_size=MAX_BODY_BYTES,
-                max_sessions=MCP_MAX_SESSIONS,
+                max_sessions=2 * MCP_MAX_SESSIONS,  # a backstop: `self.book` makes room first
             )  # fmt: skip
 
         self.manager = await anyio.to_thread.run_sync(manager)
@@ -1799,15 +1796,17 @@ class _McpEndpoint:
             await anyio.sleep_forever()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started, status, caller = time.monotonic(), 500, None
+        started, status, caller, opened = time.monotonic(), 500, None, ""
 
         async def watched(message: Message) -> None:
-            nonlocal status
+            nonlocal status, opened
             if message["type"] == "http.response.start":
                 status = message["status"]
+                opened = dict(message["headers"]).get(b"mcp-session-id", b"").decode("latin-1")
             await send(message)
 
         headers = _headers(scope)
+        asked = headers.get(b"mcp-session-id", b"").decode("latin-1")
         try:
             caller = bearer(self.principals, headers)
             assert self.ready is not None  # the application's lifespan runs `run`
@@ -1818,12 +1817,13 @@ class _McpEndpoint:
             if version and version not in HANDSHAKE_PROTOCOL_VERSIONS:
                 await _unsupported_version(version)(scope, receive, watched)
                 return
+            if not asked:  # a request that may open a session: first make room for it
+                await self._make_room(caller[0])
             user = _mcp_user(*caller)
             await self.manager.handle_request(
                 {**scope, "user": user, _MCP_CALLER: caller}, receive, watched
             )
-            if scope["method"] == "DELETE" and status < 400:  # the client ended its session
-                self._forget(headers.get(b"mcp-session-id", b"").decode("latin-1"))
+            self._keep_book(asked, opened, caller[0], scope["method"], status)
         except ApiError as error:
             response = _error_response(error)
             response.headers["www-authenticate"] = "Bearer"
@@ -1868,6 +1868,37 @@ class _McpEndpoint:
         for place in [p for p in self.tools if p[0] == session]:
             del self.tools[place]
 
+    def _keep_book(self, asked: str, opened: str, digest: bytes, method: str, status: int) -> None:
+        """After a request, the book (and the tools) in step with the SDK's sessions: one
+        opened, used, ended by its client (DELETE), or gone (404 to its own token)."""
+        now = time.monotonic()
+        if not asked:
+            if opened and status < 400:
+                self.book.opened(opened, digest, now)
+        elif self.book.owner(asked) == digest:
+            if status == 404 or (method == "DELETE" and status < 400):
+                self.book.closed(asked)
+                self._forget(asked)
+            else:
+                self.book.used(asked, now)
+
+    async def _make_room(self, digest: bytes) -> None:
+        """Before `digest` may open a session, close what the book says must go, as its client
+        would (a DELETE with its id, on its owner's behalf), and log each (never the id)."""
+        for session, reason in self.book.room(digest, time.monotonic()):
+            owner = self.book.owner(session)
+            self.book.closed(session)
+            self._forget(session)
+            if owner is None:
+                continue
+            principal = self.principals[owner]
+            scope = _closing_scope(session, _mcp_user(owner, principal))
+            await self.manager.handle_request(scope, _no_body, _discard)
+            _log_event(
+                event="mcp_session_closed", namespace=principal.namespace,
+                role=principal.role, reason=reason,
+            )  # fmt: skip
+
     @staticmethod
     def _call(
         tool: tactmem.MemoryTool, principal: Principal, arguments: dict[str, Any]
@@ -1884,6 +1915,72 @@ class _McpEndpoint:
             elapsed_ms=round((time.monotonic() - started) * 1000, 3),
         )  # fmt: skip
         return answer
+
+
+class _SessionBook:
+    """The open MCP sessions, least recently used first, each with its owner (a token's
+    hash), and which to close so that one more fits: at most `per_token` for one token, then
+    `total` in all, each time the least recently used. One token's agents can so never take
+    every session of the process (a host that leaks sessions loses its own oldest), and a
+    session idle for `idle_s` is forgotten (the SDK has closed it by then)."""
+
+    def __init__(
+        self, per_token: int = MCP_SESSIONS_PER_TOKEN, total: int = MCP_MAX_SESSIONS,
+        idle_s: float = MCP_SESSION_IDLE_S,
+    ) -> None:  # fmt: skip
+        self.per_token, self.total, self.idle_s = per_token, total, idle_s
+        self._sessions: collections.OrderedDict[str, tuple[bytes, float]] = (
+            collections.OrderedDict()
+        )
+
+    def owner(self, session: str) -> bytes | None:
+        kept = self._sessions.get(session)
+        return None if kept is None else kept[0]
+
+    def opened(self, session: str, owner: bytes, now: float) -> None:
+        self._sessions[session] = (owner, now)
+        self._sessions.move_to_end(session)
+
+    def used(self, session: str, now: float) -> None:
+        owner = self.owner(session)
+        if owner is not None:
+            self.opened(session, owner, now)
+
+    def closed(self, session: str) -> None:
+        self._sessions.pop(session, None)
+
+    def room(self, owner: bytes, now: float) -> list[tuple[str, str]]:
+        """The sessions to close before `owner` opens one, each with why."""
+        while self._sessions:
+            session, (_, used) = next(iter(self._sessions.items()))
+            if now - used < self.idle_s:
+                break
+            del self._sessions[session]
+        mine = [session for session, (who, _) in self._sessions.items() if who == owner]
+        excess = max(0, len(mine) - self.per_token + 1)
+        chosen = [(session, "token_share") for session in mine[:excess]]
+        taken = {session for session, _ in chosen}
+        others = [session for session in self._sessions if session not in taken]
+        over = len(self._sessions) - len(chosen) - self.total + 1
+        return chosen + [(session, "process_total") for session in others[: max(0, over)]]
+
+
+def _closing_scope(session: str, user: Any) -> Scope:
+    """A DELETE of `session` by its owner, as its client would end it."""
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "DELETE",
+        "scheme": "http", "path": MCP_PATH, "raw_path": MCP_PATH.encode(), "query_string": b"",
+        "root_path": "", "headers": [(b"mcp-session-id", session.encode("latin-1"))],
+        "client": None, "server": None, "user": user,
+    }  # fmt: skip
+
+
+async def _no_body() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+async def _discard(_message: Message) -> None:
+    return None
 
 
 def _mcp_user(digest: bytes, principal: Principal) -> Any:
@@ -1913,13 +2010,13 @@ def _unsupported_version(version: str) -> Response:
 
 def create_app(
     store: TeamStore, principals: _Principals, *, timeout_s: float = STORE_TIMEOUT_S
-) -> InFlightLimit:
+) -> Starlette:
     """The ASGI application: the eight routes of protocol v1 under `/v1`, the memory tool over
     MCP at `/mcp`, and `/healthz`."""
     if not principals:
         raise CredentialsError("at least one credential is required")
     server = _Server(store, principals, timeout_s)
-    mcp = _McpEndpoint(store, principals, timeout_s, server.threads)
+    mcp = _McpEndpoint(store, principals, timeout_s, server.places)
     routes = [Route(path, server.handle, methods=[op.method]) for path, op in _ROUTES.items()]
     routes.append(Route(MCP_PATH, mcp, methods=["POST", "DELETE"]))
     routes.append(Route("/healthz", server.health, methods=["GET"]))
@@ -1937,9 +2034,7 @@ def create_app(
         routes=routes, exception_handlers={HTTPException: _empty_error}, lifespan=lifespan
     )
     app.router.redirect_slashes = False  # `/v1/session/` is an unknown route, as in axum
-    app.state.limit = InFlightLimit(app)
-    limited: InFlightLimit = app.state.limit
-    return limited
+    return app
 
 
 # ============================================================================ command line (I/O)
@@ -1989,11 +2084,100 @@ def _parser() -> argparse.ArgumentParser:
         help=f"longest one store operation may take before 503 ({STORE_TIMEOUT_S:g})",
     )  # fmt: skip
     parser.add_argument(
+        "--read-timeout", default=READ_TIMEOUT_S, metavar="SECONDS",
+        type=_bounded(float, *_SECONDS, "a number of seconds from {:g} to {:g}".format(*_SECONDS)),
+        help=f"longest a request's head, then its body, may take to arrive ({READ_TIMEOUT_S:g})",
+    )  # fmt: skip
+    parser.add_argument(
         "--pool-size", type=_bounded(int, 1, math.inf, "a whole number of at least 1"),
         default=16, metavar="N", help="PostgreSQL connections per server process (16)",
     )  # fmt: skip
     parser.add_argument("--version", action="version", version=f"tactmem-server {__version__}")
     return parser
+
+
+def _connection_bounds(spare: int) -> tuple[int, int]:
+    """How many connections to accept at a time (the listen backlog, which asyncio also takes
+    as the most it accepts in one go) and to keep open, for the files this process may open:
+    its soft `RLIMIT_NOFILE` raised to the hard one. A connection past the files left would
+    make accepting fail, and asyncio then stops accepting for a second, again and again,
+    while a fresh request waits. Kept aside: `spare` files for the store, logs and the rest,
+    and two batches of accepted connections not yet closed to make room."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return _bounds_for(1 << 20 if soft == resource.RLIM_INFINITY else soft, spare)
+
+
+def _bounds_for(files: int, spare: int) -> tuple[int, int]:
+    backlog = min(2048, max(16, files // 8))
+    return backlog, max(1, min(MAX_CONNECTIONS, files - 2 * backlog - spare))
+
+
+def _bounded_protocol(read_timeout_s: float, max_connections: int) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with the bounds uvicorn lacks (it times out only a keep-alive
+    connection left idle after a response): a request's head must arrive within
+    `read_timeout_s` of the connection being opened or of the previous response, and its body
+    within `read_timeout_s` of the head, else the connection is closed (a body cut short is
+    the app's `ClientDisconnect`). At `max_connections`, a new connection closes the one that
+    has waited longest for a head or a body (an idle or a slow peer, never one being
+    answered), or itself when every other is being answered."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    waiting_for = {h11.IDLE: "head", h11.SEND_BODY: "body"}
+
+    class BoundedProtocol(H11Protocol):
+        phase: str | None = None  # what the connection waits for from its peer
+        since = 0.0  # when it began to
+        timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]
+            self._follow()
+            self._make_room()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._follow()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._follow()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._time(None)
+            super().connection_lost(exc)
+
+        def _follow(self) -> None:
+            """Time the phase the peer is in: its head (from connection or the last answer),
+            then its body; nothing while its request is answered."""
+            phase = waiting_for.get(self.conn.their_state)
+            if phase != self.phase and not self.transport.is_closing():
+                self._time(phase)
+
+        def _time(self, phase: str | None) -> None:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.phase, self.since, self.timer = phase, self.loop.time(), None
+            if phase is not None:
+                self.timer = self.loop.call_later(read_timeout_s, self._close)
+
+        def _close(self) -> None:
+            self._time(None)  # no longer waiting: never chosen to make room twice
+            self.transport.close()
+
+        def _make_room(self) -> None:
+            if len(self.connections) <= max_connections:
+                return
+            waiting = [
+                peer for peer in self.connections
+                if isinstance(peer, BoundedProtocol) and peer.phase and peer is not self
+            ]  # fmt: skip
+            (min(waiting, key=lambda peer: peer.since) if waiting else self)._close()
+
+    return BoundedProtocol
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -2046,11 +2230,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tactmem-server: cannot listen on --host, --port: {error.strerror}", file=sys.stderr)
         return 2
     app = create_app(TeamStore(engine), principals, timeout_s=arguments.store_timeout)
+    spare = _FILES_KEPT + (0 if arguments.sqlite else arguments.pool_size)
+    backlog, connections = _connection_bounds(spare)
     config = uvicorn.Config(
         app, interface="asgi3", log_config=None, access_log=False, lifespan="on",
-        timeout_graceful_shutdown=int(arguments.store_timeout + _GRACE_S),
+        timeout_graceful_shutdown=int(arguments.store_timeout + _GRACE_S), backlog=backlog,
+        http=_bounded_protocol(arguments.read_timeout, connections),
     )  # fmt: skip
-    logging.getLogger("uvicorn").setLevel(logging.WARNING)
+    for name in ("uvicorn", "asyncio"):
+        foreign = logging.getLogger(name)
+        foreign.setLevel(logging.WARNING)
+        foreign.addHandler(_ForeignRecords())
+        foreign.propagate = False
     sdk = logging.getLogger("mcp")  # its lines are not JSON, and some name a session id
     sdk.addHandler(logging.NullHandler())
     sdk.propagate = False

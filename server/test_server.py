@@ -17,6 +17,8 @@ import os
 import pathlib
 import pwd
 import re
+import resource
+import selectors
 import shutil
 import signal
 import socket
@@ -173,6 +175,7 @@ class Client:
         method: str = "POST",
         headers: dict[str, str] | None = None,
         raw: bytes | None = None,
+        timeout: float = 120,
     ) -> tuple[int, bytes]:
         sent = {"content-type": "application/json"}
         token = TOKENS.get(namespace or "", ALICE) if token is None else token
@@ -182,7 +185,7 @@ class Client:
             sent["x-tact-memory-namespace"] = namespace
         sent.update(headers or {})
         data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
             connection.request(
                 method, path, body=data, headers={k: v for k, v in sent.items() if v}
@@ -215,9 +218,14 @@ class Client:
 class Server:
     """`tactmem-server` as a subprocess on a free port; its log lines are kept."""
 
-    def __init__(self, arguments: list[str], credentials: str, *extra: str) -> None:
+    def __init__(
+        self, arguments: list[str], credentials: str, *extra: str,
+        preexec_fn: Callable[[], object] | None = None,
+    ) -> None:  # fmt: skip
         command = [*SERVER, *arguments, "--credentials", credentials, "--port", "0", *extra]
-        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            command, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn
+        )
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url = ""
@@ -823,6 +831,143 @@ def test_store_timeout_answers_unavailable_and_writes_nothing(
     assert client.put("written after the lock")["key"]["id"] == 1
 
 
+class SlowPeers:
+    """`count` connections to a server from one thread, each sending `head` once connected and
+    then one byte of `trickle` every `every_s` (nothing, when it is empty): slow bodies, slow
+    heads or idle keep-alive connections. A connection the server closes is counted and
+    opened again, so the pressure stays until the block ends. Connecting never blocks: a
+    server that accepts slowly only slows the peers down."""
+
+    def __init__(
+        self, port: int, count: int, head: bytes = b"", trickle: bytes = b"", every_s: float = 0.5
+    ) -> None:  # fmt: skip
+        self.port, self.count, self.head, self.trickle, self.every_s = (
+            port, count, head, trickle, every_s,
+        )  # fmt: skip
+        self.closed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> SlowPeers:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _open(self, selector: selectors.BaseSelector) -> None:
+        peer = socket.socket()
+        peer.setblocking(False)
+        peer.connect_ex(("127.0.0.1", self.port))
+        selector.register(peer, selectors.EVENT_WRITE, [0])  # bytes of `trickle` sent
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        for _ in range(self.count):
+            self._open(selector)
+        tick = time.monotonic()
+        while not self._stop.is_set():
+            for key, events in selector.select(0.05):
+                self._answer(selector, key, events)
+            if self.trickle and time.monotonic() >= tick:
+                tick = time.monotonic() + self.every_s
+                for key in list(selector.get_map().values()):
+                    if key.events == selectors.EVENT_READ:  # connected, its head sent
+                        self._send(selector, key, self.trickle[key.data[0] : key.data[0] + 1])
+                        key.data[0] += 1
+        for key in list(selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+
+    def _answer(self, selector: selectors.BaseSelector, key: Any, events: int) -> None:
+        if events & selectors.EVENT_WRITE:  # connected (or refused): send the head
+            selector.modify(key.fileobj, selectors.EVENT_READ, key.data)
+            self._send(selector, key, self.head)
+            return
+        with contextlib.suppress(OSError):  # an answer to drain, or the server closed it
+            if key.fileobj.recv(65536):
+                return
+        self._replace(selector, key)
+
+    def _send(self, selector: selectors.BaseSelector, key: Any, data: bytes) -> None:
+        try:
+            key.fileobj.send(data)
+        except OSError:
+            self._replace(selector, key)
+
+    def _replace(self, selector: selectors.BaseSelector, key: Any) -> None:
+        if key.fileobj.fileno() < 0 or key.fileobj not in selector.get_map():
+            return
+        selector.unregister(key.fileobj)
+        key.fileobj.close()
+        self.closed += 1
+        self._open(selector)
+
+
+def put_head(length: int) -> bytes:
+    return (
+        f"POST /v1/memories/put HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE}\r\n"
+        "x-tact-memory-namespace: alice\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def answered_at_once(client: Client) -> None:
+    """A fresh request answered within 10 seconds (a socket timeout, not a speed check)."""
+    assert client.call("/v1/session", method="GET", timeout=10)[0] == 200
+
+
+def test_slow_bodies_hold_no_place_and_are_cut_off(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
+    """70 connections sending a put's body a byte every half second: none holds one of the 64
+    places (a request takes one once its body is in), a fresh request is answered at once,
+    and the server closes each once its body is not in within `--read-timeout`. The place
+    limit does not depend on the backend, so SQLite alone is used."""
+    arguments = ["--sqlite", str(tmp_path / "team.sqlite3")]
+    server = Server(arguments, credentials, "--store-timeout", "1", "--read-timeout", "2")
+    port = urlsplit(server.url).port or 0
+    try:
+        with SlowPeers(port, 70, put_head(100_000), b"x" * 100_000) as peers:
+            time.sleep(0.5)
+            answered_at_once(server.client)
+            assert health(server.client) == {"status": "ok", "in_flight": 0, "waiting": 0}
+            wait_for(lambda: peers.closed >= 70, "every slow body cut off", 20)
+            answered_at_once(server.client)
+    finally:
+        server.stop()
+    cut = [e for e in _events(server) if e.get("operation") == "put"]
+    assert cut and {(e["status"], e["error_code"]) for e in cut} == {(400, "bad_request")}
+
+
+def test_slow_heads_and_idle_connections_cannot_stop_a_fresh_request(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
+    """300 idle connections and 300 sending a request head a byte every half second, opened
+    again as soon as the server closes them, against a server allowed 256 open files: a fresh
+    request is still answered at once, each time, and the server never runs out of files. A
+    head must arrive within `--read-timeout`, and when connections run short the one that has
+    waited longest for its head or body is closed to make room."""
+
+    def few_files() -> None:  # soft and hard: the server raises its soft limit to the hard
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    arguments = ["--sqlite", str(tmp_path / "team.sqlite3")]
+    server = Server(arguments, credentials, "--read-timeout", "2", preexec_fn=few_files)
+    port = urlsplit(server.url).port or 0
+    slow_head = b"GET /v1/session HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"s" * 10_000
+    try:
+        with SlowPeers(port, 300) as idle, SlowPeers(port, 300, b"", slow_head) as slow:
+            for _ in range(3):
+                answered_at_once(server.client)
+                time.sleep(1)
+            wait_for(lambda: min(idle.closed, slow.closed) >= 100, "peers closed", 30)
+            answered_at_once(server.client)
+    finally:
+        server.stop()
+    assert all(line.startswith("{") for line in server.lines)  # never out of files
+
+
 def test_logs_are_structured_and_hold_no_token_or_content(start: Callable[..., Server]) -> None:
     server = start()
     client = server.client
@@ -894,6 +1039,25 @@ def test_a_body_cut_short_is_a_logged_bad_request_not_a_traceback(
         ("put", 400), ("put", 200),
     ]  # fmt: skip
     assert "zebracorn" not in "".join(server.lines)
+
+
+def test_uvicorns_own_records_are_json_lines_too(start: Callable[..., Server]) -> None:
+    """A request that is not HTTP makes uvicorn log a warning: it is a JSON line like the
+    others, the fixed message only, never what the peer sent."""
+    server = start()
+    with socket.create_connection(("127.0.0.1", urlsplit(server.url).port or 0)) as peer:
+        peer.sendall(b"NOT HTTP zebracorn\r\n\r\n")
+        assert peer.recv(100).startswith(b"HTTP/1.1 400 ")
+    wait_for(lambda: any("server_log" in line for line in server.lines), "uvicorn's warning")
+    server.stop()
+    assert {
+        "event": "server_log",
+        "logger": "uvicorn.error",
+        "level": "WARNING",
+        "message": "Invalid HTTP request received.",
+        "error_type": None,
+    } in _events(server)
+    assert "zebracorn" not in "".join(server.lines)  # fmt: skip
 
 
 def test_hostile_rows_are_hidden_not_a_500(
@@ -1088,6 +1252,7 @@ BAD_OPTIONS = [
     ("--store-timeout", "0"), ("--store-timeout", "-1"), ("--store-timeout", "1e300"),
     ("--store-timeout", "soon"), ("--port", "99999"), ("--port", "65536"), ("--port", "-1"),
     ("--port", "http"), ("--pool-size", "0"), ("--pool-size", "-2"), ("--pool-size", "1.5"),
+    ("--read-timeout", "0"), ("--read-timeout", "nan"), ("--read-timeout", "soon"),
 ]  # fmt: skip
 
 
@@ -1191,6 +1356,15 @@ def test_every_start_up_input_is_one_line_and_exit_2(
     for number, kind in enumerate(HOSTILE_FILES):  # a refused SQLite file gets no sidecars
         left = set(os.listdir(tmp_path / f"s{number}"))
         assert left <= {kind.replace(" ", "-"), "target-fifo", "loop-back"}, kind
+
+
+def test_the_peer_bounds_by_default() -> None:
+    """The production bounds the slow-peer tests run smaller: 10 s for a head and then for a
+    body, and connections and the accept backlog sized to the files the process may open."""
+    defaults = tactmem_server._parser().parse_args(["--sqlite", "x", "--credentials", "y"])
+    assert defaults.read_timeout == 10 and defaults.store_timeout == 30
+    bounds = {files: tactmem_server._bounds_for(files, 64) for files in (100, 256, 1024, 1 << 20)}
+    assert bounds == {100: (16, 4), 256: (32, 128), 1024: (128, 704), 1 << 20: (2048, 1024)}
 
 
 def _events(server: Server) -> list[dict[str, Any]]:
@@ -1910,7 +2084,7 @@ def test_mcp_scan_gate_is_per_session(start: Callable[..., Server]) -> None:
 
 def mcp_post(
     client: Client, token: str | None, message: object, session: str | None = None,
-    headers: dict[str, str] | None = None, raw: bytes | None = None,
+    headers: dict[str, str] | None = None, raw: bytes | None = None, timeout: float = 120,
 ) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
     """One raw JSON-RPC POST to /mcp: the status, the headers and the body."""
     sent = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
@@ -1920,7 +2094,7 @@ def mcp_post(
         sent["mcp-session-id"] = session
         sent["mcp-protocol-version"] = "2025-11-25"
     sent.update(headers or {})
-    connection = http.client.HTTPConnection(client.host, client.port, timeout=120)
+    connection = http.client.HTTPConnection(client.host, client.port, timeout=timeout)
     try:
         body = json.dumps(message).encode() if raw is None else raw
         connection.request("POST", "/mcp", body=body, headers=sent)
@@ -2027,16 +2201,20 @@ def test_mcp_bounds_and_logs(backend: list[str], start: Callable[..., Server]) -
     client = server.client
     oversized = b"x" * (2 * 1024 * 1024 + 1)
     assert mcp_post(client, ALICE, None, raw=oversized)[0] == 413
-    # /mcp shares the 64 requests in flight with /v1: the 65th waits.
+    # /mcp's tool calls share the 64 places with /v1: the 65th waits. Opening a session
+    # does no store work, so it takes no place and is answered meanwhile.
+    session = mcp_open(client, ALICE)
     with ThreadPoolExecutor(65) as pool, store_locked(backend):
         answers = [pool.submit(client.call, "/v1/memories/list", None) for _ in range(64)]
         wait_for(lambda: health(client)["in_flight"] == 64, "64 requests in flight")
-        opening = pool.submit(mcp_post, client, ALICE, INITIALIZE)
-        wait_for(lambda: health(client)["waiting"] == 1, "the MCP request waiting")
+        assert mcp_post(client, ALICE, INITIALIZE, timeout=10)[0] == 200
+        scan = tool_call(2, operation="scan", query="waits for a place")
+        calling = pool.submit(mcp_post, client, ALICE, scan, session)
+        wait_for(lambda: health(client)["waiting"] == 1, "the MCP tool call waiting")
         time.sleep(0.3)
-        assert not opening.done()
+        assert not calling.done()
     assert [answer.result()[0] for answer in answers] == [200] * 64
-    assert opening.result()[0] == 200
+    assert calling.result()[0] == 200
     _, results = mcp_calls(server.url, ALICE, [
         {"operation": "scan", "query": "zebracorn-query-marker"},
         {"operation": "put", "content": "note about zebracorn-marker-in-content"},
@@ -2051,6 +2229,7 @@ def test_mcp_bounds_and_logs(backend: list[str], start: Callable[..., Server]) -
     assert events[-1] == {"event": "stopped"}
     tools = [(e["operation"], e["error_code"]) for e in events if e["event"] == "tool"]
     assert tools == [
+        ("scan", None),  # the call that waited for a place
         ("scan", None),
         ("put", None),
         ("put", "scan_required"),
@@ -2062,6 +2241,48 @@ def test_mcp_bounds_and_logs(backend: list[str], start: Callable[..., Server]) -
     text = "".join(server.lines)
     for leak in ("zebracorn", "hunter2", ALICE, "password", "mcp-session-id"):
         assert leak not in text
+
+
+def test_one_token_cannot_take_every_mcp_session(tmp_path: pathlib.Path, credentials: str) -> None:
+    """A token that opens more sessions than its share (64) gets its least recently used ones
+    closed to make room (their next request is the 404 of a session gone), and another
+    token's agent still opens one and works. Sessions do not depend on the backend."""
+    server = Server(["--sqlite", str(tmp_path / "team.sqlite3")], credentials)
+    client = server.client
+    share = tactmem_server.MCP_SESSIONS_PER_TOKEN
+    try:
+        sessions = [mcp_open(client, ALICE) for _ in range(share + 2)]
+        listing = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+        statuses = [mcp_post(client, ALICE, listing, session)[0] for session in sessions]
+        assert statuses == [404, 404] + [200] * share
+        bob = mcp_open(client, BOB)
+        scan = tool_call(3, operation="scan", query="anything at all")
+        assert mcp_post(client, BOB, scan, bob)[0] == 200
+    finally:
+        server.stop()
+    reclaimed = [e for e in _events(server) if e["event"] == "mcp_session_closed"]
+    assert [(e["namespace"], e["reason"]) for e in reclaimed] == [("alice", "token_share")] * 2
+    assert not any(session in "".join(server.lines) for session in sessions)
+
+
+def test_the_session_book_makes_room_least_recently_used_first() -> None:
+    """The bookkeeping behind the bounds, with tiny ones: a token's share, then the process's
+    total, each by least recent use; sessions idle past the SDK's timeout are forgotten."""
+    book = tactmem_server._SessionBook(per_token=2, total=3, idle_s=100)
+    a, b = b"token-a", b"token-b"
+    book.opened("a1", a, 0)
+    book.opened("a2", a, 1)
+    assert book.room(a, 2) == [("a1", "token_share")]
+    book.closed("a1")
+    book.opened("a3", a, 3)
+    book.used("a2", 4)  # now a3 is a's least recently used
+    book.opened("b1", b, 5)
+    assert book.room(b, 6) == [("a3", "process_total")]
+    book.closed("a3")
+    book.opened("b2", b, 7)
+    assert book.room(b, 8) == [("b1", "token_share")]
+    assert book.room(a, 200) == []  # all idle past 100: the SDK closed them, nothing to make
+    assert book.owner("b2") is None
 
 
 # ------------------------------------------------------------------------ NamespaceStore
