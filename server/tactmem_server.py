@@ -1020,7 +1020,7 @@ class TeamStore:
         self._corpus_lock = threading.Lock()
         self._seen: dict[str, int] = {}  # namespace -> change counter the cache holds
         self._rows: dict[str, list[tuple[int, int, object]]] = {}
-        self._served: dict[str, dict[int, tuple[Record, bool]]] = {}  # `_served`, by row
+        self._verdicts: dict[str, dict[int, tuple[Record, bool]]] = {}  # `_served`, by row
 
     def close(self) -> None:
         self.engine.close()
@@ -1147,7 +1147,7 @@ class TeamStore:
             rows = tx.rows(f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?", [ns])
             self._rows[ns] = self._corpus_rows(ns, [r for _, r in map(_namespaced, rows)])
         for ns in self._rows.keys() - counters.keys():
-            del self._rows[ns], self._served[ns]
+            del self._rows[ns], self._verdicts[ns]
         if stale or len(self._seen) != len(counters):
             self._corpus.update(list(itertools.chain.from_iterable(self._rows.values())))
         self._seen = counters
@@ -1156,13 +1156,13 @@ class TeamStore:
         """A namespace's rows as the corpus takes them: the text only of a row `_served` admits
         (what a scan offers, a read returns). `_served` runs a text's secret rules, so it is
         asked again only of a row that changed since the namespace was last fetched."""
-        before, verdicts = self._served.get(ns, {}), {}
+        before, verdicts = self._verdicts.get(ns, {}), {}
         for record in records:
             kept = before.get(record.key.id)
             if kept is None or kept[0] != record:
                 kept = (record, _served(ns, record))
             verdicts[record.key.id] = kept
-        self._served[ns] = verdicts
+        self._verdicts[ns] = verdicts
         return [
             (_doc_id(ns, r.key.id), r.key.version, r.content if served else None)
             for r, served in verdicts.values()
