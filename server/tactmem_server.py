@@ -19,7 +19,10 @@ Command line::
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
 import contextlib
+import errno
 import functools
 import hashlib
 import ipaddress
@@ -29,6 +32,7 @@ import logging
 import math
 import os
 import re
+import resource
 import socket
 import sqlite3
 import stat
@@ -48,7 +52,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 from tactmem import Key, Record, TactmemError
 
 __version__ = "0.1.0"
@@ -63,12 +67,16 @@ __all__ = [
 PROTOCOL_VERSION: Final = 1
 LIMITS: Final = tactmem.Limits()  # the protocol's bounds, per namespace
 MAX_BODY_BYTES: Final = 2 * 1024 * 1024
-MAX_IN_FLIGHT: Final = 64
+MAX_IN_FLIGHT: Final = 64  # places for store work: a request takes one once its body is in
+READ_TIMEOUT_S: Final = 10.0  # for a request's head, and then for its body
+MAX_CONNECTIONS: Final = 1024  # open connections, fewer when open files are short
+_FILES_KEPT: Final = 64  # open files the connection bound leaves for the store, logs and the rest
 STORE_TIMEOUT_S: Final = 30.0
 MAX_EXPORT_PAGE: Final = 128
 MCP_PATH: Final = "/mcp"
 MCP_SESSION_IDLE_S: Final = 30 * 60.0  # an MCP session unused this long is closed
-MCP_MAX_SESSIONS: Final = 1024  # open MCP sessions per server process; more wait (503)
+MCP_MAX_SESSIONS: Final = 1024  # open MCP sessions per server process
+MCP_SESSIONS_PER_TOKEN: Final = 64  # a token opening more closes its least recently used
 _MAX_I64: Final = 2**63 - 1
 _MAX_U64: Final = 2**64 - 1
 _NAMESPACE: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -617,6 +625,193 @@ _UPDATE: Final = (
     " use_count = ?, probation_until_ms = ? WHERE namespace = ? AND id = ?"
 )
 _CAPPED: Final = "CASE WHEN {0} < 9223372036854775807 THEN {0} + 1 ELSE {0} END"
+_SQLITE_TYPES: Final = {"ns": "TEXT", "int": "INTEGER", "strict": " STRICT"}
+_POSTGRES_TYPES: Final = {"ns": 'TEXT COLLATE "C"', "int": "BIGINT", "strict": ""}
+
+
+# ------------------------------------------------------------------------ what the server trusts
+# The local store's rules for a hostile file, applied to the server's database: inspect before
+# anything writes, and refuse what tactmem-server did not create. A trigger, rule or policy
+# would run on the server's own writes (an AFTER INSERT ... DELETE loses every acknowledged
+# put), a changed table breaks its rules, another application's tables are not team memory.
+
+
+def _not_ours(where: str, kind: str) -> tactmem.StorageError:
+    article = "an" if kind[0] in "aeiou" else "a"
+    return tactmem.StorageError(
+        f"the {where} is not a tactmem-server database"
+        f" (it holds {article} {kind} tactmem-server did not create)"
+    )
+
+
+@functools.cache
+def _sqlite_objects() -> frozenset[tuple[object, object, object]]:
+    """The schema objects tactmem-server creates in a SQLite file, as SQLite records them
+    (`_SCHEMA` run on an empty in-memory database), and the statistics table `ANALYZE` adds."""
+    connection = sqlite3.connect(":memory:")
+    try:
+        for statement in (*(sql.format(**_SQLITE_TYPES) for sql in _SCHEMA), "ANALYZE"):
+            connection.execute(statement)
+        return frozenset(tactmem._schema_objects(connection))
+    finally:
+        connection.close()
+
+
+# What a file the server made reports besides its objects: a local tactmem store's
+# user_version is 1, and text that is not UTF-8 would make stored lengths other bytes than
+# the bounds count.
+_SQLITE_PRAGMAS: Final = (
+    ("user_version", 0, "user_version"),
+    ("encoding", "UTF-8", "text encoding"),
+)
+
+
+def _check_sqlite(connection: sqlite3.Connection) -> None:
+    """Refuse a SQLite file holding anything tactmem-server does not create (each object's
+    whole SQL compared), or another user_version or text encoding."""
+    for kind, _, _ in tactmem._schema_objects(connection) - _sqlite_objects():
+        raise _not_ours("file", str(kind))
+    for pragma, expected, what in _SQLITE_PRAGMAS:
+        if connection.execute(f"PRAGMA {pragma}").fetchone() != (expected,):
+            raise _not_ours("file", f"{what} other than {expected}")
+
+
+def _inspect_sqlite(path: str) -> None:
+    """`_check_sqlite` through a read-only connection first (tactmem's `_inspect`, with the
+    server's rules), so that a refused file is never written: not by a journal-mode change, nor
+    by SQLite checkpointing a WAL file as it closes. A WAL file without a log is opened
+    immutable, which leaves no -shm beside it. A hot journal cannot be read read-only; the
+    read-write connection rolls it back (as any SQLite writer does) and checks the file after."""
+    name = path.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    try:
+        with open(path, "rb") as file:
+            settled = file.read(20)[18:] == b"\x02\x02" and not os.path.exists(path + "-wal")
+    except OSError:
+        raise tactmem.StorageError("could not open the memory database file") from None
+    connection = tactmem._open(f"file:{name}?mode=ro{'&immutable=1' * settled}", LIMITS, uri=True)
+    try:
+        _check_sqlite(connection)
+    except sqlite3.OperationalError as error:
+        if not getattr(error, "sqlite_errorname", "").startswith("SQLITE_READONLY"):
+            raise
+    finally:
+        connection.close()
+
+
+# What the schema the server uses (`current_schema()`) holds, and what is attached to its
+# tables from anywhere: one `(kind, name, definition)` row per object, a table's columns and
+# constraints folded into its definition, so that each table compares whole, as in SQLite.
+_POSTGRES_CATALOG: Final = """
+WITH here AS (SELECT oid FROM pg_namespace WHERE nspname = current_schema()),
+rel AS (
+    SELECT c.oid, c.relname, c.relkind, c.relrowsecurity OR c.relforcerowsecurity AS secured
+      FROM pg_class c JOIN here ON c.relnamespace = here.oid
+),
+part AS (
+    SELECT a.attrelid AS rel, concat_ws(' ', quote_ident(a.attname),
+           format_type(a.atttypid, a.atttypmod), CASE WHEN a.attnotnull THEN 'NOT NULL' END,
+           'DEFAULT ' || pg_get_expr(d.adbin, d.adrelid), 'COLLATE ' || quote_ident(co.collname),
+           CASE WHEN a.attgenerated <> '' THEN 'GENERATED' END,
+           CASE WHEN a.attidentity <> '' THEN 'IDENTITY' END) AS text
+      FROM pg_attribute a
+      LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+      LEFT JOIN pg_collation co ON co.oid = a.attcollation AND co.collname <> 'default'
+     WHERE a.attrelid IN (SELECT oid FROM rel WHERE relkind IN ('r', 'p')) AND a.attnum > 0
+       AND NOT a.attisdropped
+    UNION ALL
+    SELECT conrelid, quote_ident(conname) || ' ' || pg_get_constraintdef(oid) FROM pg_constraint
+     WHERE conrelid IN (SELECT oid FROM rel) AND contype <> 'n'
+)
+SELECT CASE WHEN relkind IN ('r', 'p') THEN 'table' WHEN relkind IN ('i', 'I') THEN 'index'
+            WHEN relkind IN ('v', 'm') THEN 'view' WHEN relkind = 'S' THEN 'sequence'
+            ELSE 'relation' END,
+       relname,
+       CASE WHEN relkind IN ('i', 'I') THEN
+            replace(pg_get_indexdef(oid), ' ON ' || quote_ident(current_schema()) || '.', ' ON ')
+            ELSE COALESCE((SELECT string_agg(text, ', ' ORDER BY text COLLATE "C") FROM part
+                            WHERE part.rel = rel.oid), '') END
+  FROM rel
+UNION ALL SELECT 'row security setting', relname, '' FROM rel WHERE secured
+UNION ALL SELECT 'function', p.oid::regprocedure::text, '' FROM pg_proc p
+           JOIN here ON p.pronamespace = here.oid
+UNION ALL SELECT 'type', t.typname, '' FROM pg_type t JOIN here ON t.typnamespace = here.oid
+           WHERE t.typrelid = 0
+             AND NOT EXISTS (SELECT FROM pg_type e WHERE e.oid = t.typelem AND e.typrelid <> 0)
+UNION ALL SELECT 'operator', o.oid::regoperator::text, '' FROM pg_operator o
+           JOIN here ON o.oprnamespace = here.oid
+UNION ALL SELECT 'trigger', tgname, '' FROM pg_trigger
+           WHERE NOT tgisinternal AND tgrelid IN (SELECT oid FROM rel)
+UNION ALL SELECT 'rule', rulename, '' FROM pg_rewrite
+           WHERE rulename <> '_RETURN' AND ev_class IN (SELECT oid FROM rel)
+UNION ALL SELECT 'policy', polname, '' FROM pg_policy WHERE polrelid IN (SELECT oid FROM rel)
+UNION ALL SELECT 'inheritance', inhrelid::regclass::text, inhparent::regclass::text
+           FROM pg_inherits
+           WHERE inhparent IN (SELECT oid FROM rel) OR inhrelid IN (SELECT oid FROM rel)
+UNION ALL SELECT 'foreign key', conname, conrelid::regclass::text FROM pg_constraint
+           WHERE confrelid IN (SELECT oid FROM rel) AND conrelid NOT IN (SELECT oid FROM rel)
+UNION ALL SELECT 'event trigger', evtname, '' FROM pg_event_trigger
+"""
+
+
+def _table(*parts: str) -> str:
+    return ", ".join(sorted(parts))
+
+
+# Exactly what `_SCHEMA` creates, as `_POSTGRES_CATALOG` describes it (PostgreSQL 15; a test
+# checks that a database the server creates holds this and nothing else).
+_POSTGRES_OBJECTS: Final = frozenset({
+    ("table", "memory_namespaces", _table(
+        "namespace text NOT NULL COLLATE \"C\"", "next_id bigint NOT NULL DEFAULT 1",
+        "changes bigint NOT NULL DEFAULT 0",
+        "memory_namespaces_next_id_check CHECK ((next_id > 0))",
+        "memory_namespaces_pkey PRIMARY KEY (namespace)",
+    )),
+    ("table", "memories", _table(
+        "namespace text NOT NULL COLLATE \"C\"", "id bigint NOT NULL", "version bigint NOT NULL",
+        "content text NOT NULL", "identity text NOT NULL", "created_at_ms bigint NOT NULL",
+        "updated_at_ms bigint NOT NULL", "last_scanned_at_ms bigint",
+        "scan_count bigint NOT NULL DEFAULT 0", "last_used_at_ms bigint",
+        "use_count bigint NOT NULL DEFAULT 0", "probation_until_ms bigint",
+        "memories_id_check CHECK ((id > 0))", "memories_version_check CHECK ((version > 0))",
+        "memories_scan_count_check CHECK ((scan_count >= 0))",
+        "memories_use_count_check CHECK ((use_count >= 0))",
+        "memories_namespace_fkey FOREIGN KEY (namespace) REFERENCES memory_namespaces(namespace)",
+        "memories_pkey PRIMARY KEY (namespace, id)",
+        "memories_namespace_identity_key UNIQUE (namespace, identity)",
+    )),
+    ("index", "memory_namespaces_pkey", "CREATE UNIQUE INDEX memory_namespaces_pkey"
+     " ON memory_namespaces USING btree (namespace)"),
+    ("index", "memories_pkey", "CREATE UNIQUE INDEX memories_pkey ON memories USING btree"
+     " (namespace, id)"),
+    ("index", "memories_namespace_identity_key", "CREATE UNIQUE INDEX"
+     " memories_namespace_identity_key ON memories USING btree (namespace, identity)"),
+    ("index", "memories_probation", "CREATE INDEX memories_probation ON memories USING btree"
+     " (probation_until_ms) WHERE (probation_until_ms IS NOT NULL)"),
+})  # fmt: skip
+
+
+def _check_postgres(found: set[tuple[Any, ...]]) -> None:
+    """Refuse a PostgreSQL database holding what tactmem-server does not create (what
+    `_POSTGRES_CATALOG` finds beyond `_POSTGRES_OBJECTS`); what is missing is created."""
+    for kind, _, _ in sorted(found - _POSTGRES_OBJECTS):
+        raise _not_ours("PostgreSQL database", kind)
+
+
+# Run in every PostgreSQL transaction, in the round trip that sets its timeouts: the tables
+# held against a change until commit (a new trigger, rule or policy needs a lock this one
+# conflicts with), then what would run on the server's statements is counted: a trigger, a
+# rule, a policy or row security, an inheriting table. Anything is refused, nothing written.
+_POSTGRES_GUARD: Final = """LOCK TABLE memory_namespaces, memories IN ROW EXCLUSIVE MODE;
+WITH ours AS (SELECT 'memories'::regclass::oid AS oid
+              UNION ALL SELECT 'memory_namespaces'::regclass)
+SELECT count(*) FROM (
+    SELECT FROM pg_trigger WHERE tgrelid IN (SELECT oid FROM ours) AND NOT tgisinternal
+    UNION ALL SELECT FROM pg_rewrite WHERE ev_class IN (SELECT oid FROM ours)
+    UNION ALL SELECT FROM pg_policy WHERE polrelid IN (SELECT oid FROM ours)
+    UNION ALL SELECT FROM pg_inherits WHERE inhparent IN (SELECT oid FROM ours)
+    UNION ALL SELECT FROM pg_class
+               WHERE oid IN (SELECT oid FROM ours) AND (relrowsecurity OR relforcerowsecurity)
+) attached"""
 
 
 def _marks(count: int) -> str:
@@ -647,24 +842,37 @@ def _deadline_left(deadline: float) -> float:
     return left
 
 
+# The statements that remove or overwrite a record's text: a delete (of a record, a pruned
+# one, a namespace a sync replaces) and the update a replace makes.
+_ERASING: Final = ("DELETE FROM memories ", _UPDATE)
+
+
 class _SqliteTx:
+    """A transaction's statements; `erased` once one of them removed or overwrote text."""
+
     def __init__(self, connection: sqlite3.Connection) -> None:
         self.connection = connection
+        self.erased = False
 
     def rows(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
         return self.connection.execute(sql, params).fetchall()
 
     def run(self, sql: str, params: Sequence[object] = ()) -> None:
-        self.connection.execute(sql, params)
+        self._note(sql, self.connection.execute(sql, params))
 
     def many(self, sql: str, params: Iterable[Sequence[object]]) -> None:
-        self.connection.executemany(sql, params)
+        self._note(sql, self.connection.executemany(sql, params))
+
+    def _note(self, sql: str, cursor: sqlite3.Cursor) -> None:
+        self.erased = self.erased or (sql.startswith(_ERASING) and cursor.rowcount > 0)
 
 
 class SqliteEngine:
     """One SQLite file: every transaction `BEGIN IMMEDIATE`, so the whole file is the lock
     (several server processes may share the file). WAL with full sync: a committed write
-    survives a crash of the process or the machine."""
+    survives a crash of the process or the machine. `secure_delete` zeroes a removed text in
+    its page, and a commit that removed or overwrote text is checkpointed into the main file
+    with the WAL truncated, so no older copy of the page outlives the answer."""
 
     bytes_sql = "length(CAST(content AS BLOB))"
     lock_sql = ""
@@ -672,36 +880,39 @@ class SqliteEngine:
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(os.path.expanduser(path))
         self._lock = threading.Lock()
+        self._schema_cookie = -1  # the file's `schema_version` when it was last checked
         tactmem._prepare_file(self.path)  # 0600 in 0700 directories
         try:
+            _inspect_sqlite(self.path)  # read-only: a refused file is never written
             connection = tactmem._open(
                 self.path, tactmem.Limits(), isolation_level=None, check_same_thread=False
             )
-        except sqlite3.Error as error:
+        except sqlite3.Error as error:  # such as a file that is not SQLite at all
             raise tactmem._storage_error(error) from None
         self._connection = connection
         try:
+            _check_sqlite(connection)  # again, on the connection that writes: before it does
             connection.execute("PRAGMA journal_mode = WAL")
             connection.execute("PRAGMA synchronous = FULL")
             connection.execute("PRAGMA secure_delete = ON")
             connection.execute("PRAGMA foreign_keys = ON")
             with self.transaction(time.monotonic() + STORE_TIMEOUT_S) as tx:
-                self._check_schema(tx)
                 for statement in _SCHEMA:
-                    tx.run(statement.format(ns="TEXT", int="INTEGER", strict=" STRICT"))
+                    tx.run(statement.format(**_SQLITE_TYPES))
         except BaseException as error:
             connection.close()
-            if isinstance(error, sqlite3.Error):  # such as a file that is not SQLite at all
+            if isinstance(error, sqlite3.Error):
                 raise tactmem._storage_error(error) from None
             raise
 
-    @staticmethod
-    def _check_schema(tx: _Tx) -> None:
-        tables = {
-            name for (name,) in tx.rows("SELECT name FROM sqlite_schema WHERE type = 'table'")
-        }
-        if tables - {"memories", "memory_namespaces"} or tables == {"memories"}:
-            raise tactmem.StorageError("the file is not a tactmem-server database")
+    def _check_file(self, connection: sqlite3.Connection) -> None:
+        """The whole file checked again (`_check_sqlite`) whenever its schema changed since
+        this engine last looked, in the write transaction before anything writes: a trigger
+        planted under a running server is refused before it can run."""
+        (cookie,) = connection.execute("PRAGMA schema_version").fetchone()
+        if cookie != self._schema_cookie:
+            _check_sqlite(connection)
+            self._schema_cookie = cookie
 
     @contextlib.contextmanager
     def transaction(self, deadline: float) -> Iterator[_Tx]:
@@ -711,12 +922,16 @@ class SqliteEngine:
             connection = self._connection
             tactmem._begin_immediate(connection, deadline)
             try:
-                yield _SqliteTx(connection)
+                self._check_file(connection)
+                tx = _SqliteTx(connection)
+                yield tx
                 connection.execute("COMMIT")
             except BaseException:
                 if connection.in_transaction:
                     connection.execute("ROLLBACK")
                 raise
+            if tx.erased:  # waits (the busy timeout) for another process's transaction to end
+                connection.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         except sqlite3.Error as error:
             raise tactmem._storage_error(error) from None
         finally:
@@ -765,40 +980,62 @@ class PostgresEngine:
 
         self._psycopg = psycopg
         self._pool_timeout = psycopg_pool.PoolTimeout
+        try:  # a URL psycopg cannot even parse (not UTF-8, a bad escape) is a ValueError
+            psycopg.connect(url, connect_timeout=10).close()  # fail at once, not after retries
+        except (psycopg.Error, ValueError):
+            raise tactmem.StorageError("could not connect to PostgreSQL") from None
         self._pool = psycopg_pool.ConnectionPool(
             url, min_size=1, max_size=pool_size, kwargs={"autocommit": True}, open=False,
             check=psycopg_pool.ConnectionPool.check_connection,  # after a restart, reconnect
         )  # fmt: skip
         try:
-            psycopg.connect(url, connect_timeout=10).close()  # fail at once, not after retries
             self._pool.open(wait=True, timeout=10)
         except (psycopg.Error, psycopg_pool.PoolTimeout):
             self._pool.close()
             raise tactmem.StorageError("could not connect to PostgreSQL") from None
         try:
-            with self.transaction(time.monotonic() + STORE_TIMEOUT_S) as tx:
-                (encoding,) = tx.rows("SHOW server_encoding")[0]
-                if encoding != "UTF8":
-                    raise tactmem.StorageError("the PostgreSQL database must use UTF8 encoding")
-                tx.run("SELECT pg_advisory_xact_lock(7406158229)")  # one schema writer at a time
-                for statement in _SCHEMA:
-                    tx.run(statement.format(ns='TEXT COLLATE "C"', int="BIGINT", strict=""))
+            with self._transaction(time.monotonic() + STORE_TIMEOUT_S, guarded=False) as tx:
+                self._create(tx)
         except BaseException:
             self._pool.close()
             raise
 
+    @staticmethod
+    def _create(tx: _Tx) -> None:
+        """Check the database before any write (UTF8, and nothing tactmem-server did not
+        create), then create what is missing: an empty database gets the two tables."""
+        (encoding,) = tx.rows("SHOW server_encoding")[0]
+        if encoding != "UTF8":
+            raise tactmem.StorageError("the PostgreSQL database must use UTF8 encoding")
+        tx.run("SELECT pg_advisory_xact_lock(7406158229)")  # one schema writer at a time
+        found = set(tx.rows(_POSTGRES_CATALOG))
+        _check_postgres(found)
+        if found != _POSTGRES_OBJECTS:
+            for statement in _SCHEMA:
+                tx.run(statement.format(**_POSTGRES_TYPES))
+
+    def transaction(self, deadline: float) -> contextlib.AbstractContextManager[_Tx]:
+        return self._transaction(deadline, guarded=True)
+
     @contextlib.contextmanager
-    def transaction(self, deadline: float) -> Iterator[_Tx]:
+    def _transaction(self, deadline: float, *, guarded: bool) -> Iterator[_Tx]:
+        """One transaction with the deadline as its statement and lock timeouts and, when
+        `guarded`, `_POSTGRES_GUARD` run first, in the same round trip."""
         errors = self._psycopg.errors
         try:
             pooled = self._pool.connection(timeout=_deadline_left(deadline))
             with pooled as connection, connection.transaction():
-                left = f"{max(1, int(_deadline_left(deadline) * 1000))}ms"
-                connection.execute(
-                    "SELECT set_config('statement_timeout', %s, true),"
-                    " set_config('lock_timeout', %s, true)",
-                    (left, left),
+                left = max(1, int(_deadline_left(deadline) * 1000))
+                timeouts = f"SET LOCAL statement_timeout = {left}; SET LOCAL lock_timeout = {left}"
+                cursor = connection.execute(
+                    f"{timeouts}; {_POSTGRES_GUARD}" if guarded else timeouts
                 )
+                while cursor.nextset():  # to the guard's count
+                    pass
+                if guarded and cursor.fetchone() != (0,):
+                    raise _not_ours(
+                        "PostgreSQL database", "trigger, rule, policy or inheriting table"
+                    )
                 yield _PostgresTx(connection)
                 _deadline_left(deadline)  # past it, roll back: the caller was told 503
         except (errors.DeadlockDetected, errors.SerializationFailure):
@@ -811,7 +1048,7 @@ class PostgresEngine:
             raise tactmem.StorageError("PostgreSQL operation failed") from None
 
     def check(self, deadline: float) -> None:
-        with self.transaction(deadline) as tx:
+        with self._transaction(deadline, guarded=False) as tx:
             tx.rows("SELECT 1")
 
     def close(self) -> None:
@@ -829,6 +1066,7 @@ class TeamStore:
         self._corpus_lock = threading.Lock()
         self._seen: dict[str, int] = {}  # namespace -> change counter the cache holds
         self._rows: dict[str, list[tuple[int, int, object]]] = {}
+        self._verdicts: dict[str, dict[int, tuple[Record, bool]]] = {}  # `_served`, by row
 
     def close(self) -> None:
         self.engine.close()
@@ -952,20 +1190,29 @@ class TeamStore:
         }
         stale = [ns for ns, changes in counters.items() if self._seen.get(ns) != changes]
         for ns in stale:
-            rows = tx.rows(  # the rows `_served` admits; the corpus hides the rest itself
-                "SELECT id, version, content FROM memories WHERE namespace = ?"
-                f" AND {self.engine.bytes_sql} <= ? AND 0 <= created_at_ms"
-                " AND created_at_ms <= updated_at_ms",
-                [ns, LIMITS.content_bytes],
-            )
-            self._rows[ns] = [
-                (_doc_id(ns, doc_id), version, content) for doc_id, version, content in rows
-            ]
+            rows = tx.rows(f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?", [ns])
+            self._rows[ns] = self._corpus_rows(ns, [r for _, r in map(_namespaced, rows)])
         for ns in self._rows.keys() - counters.keys():
-            del self._rows[ns]
+            del self._rows[ns], self._verdicts[ns]
         if stale or len(self._seen) != len(counters):
             self._corpus.update(list(itertools.chain.from_iterable(self._rows.values())))
         self._seen = counters
+
+    def _corpus_rows(self, ns: str, records: Sequence[Record]) -> list[tuple[int, int, object]]:
+        """A namespace's rows as the corpus takes them: the text only of a row `_served` admits
+        (what a scan offers, a read returns). `_served` runs a text's secret rules, so it is
+        asked again only of a row that changed since the namespace was last fetched."""
+        before, verdicts = self._verdicts.get(ns, {}), {}
+        for record in records:
+            kept = before.get(record.key.id)
+            if kept is None or kept[0] != record:
+                kept = (record, _served(ns, record))
+            verdicts[record.key.id] = kept
+        self._verdicts[ns] = verdicts
+        return [
+            (_doc_id(ns, r.key.id), r.key.version, r.content if served else None)
+            for r, served in verdicts.values()
+        ]
 
     def read(self, wanted: Sequence[WireKey], now_ms: int, deadline: float) -> list[dict[str, Any]]:
         def operation(tx: _Tx) -> list[dict[str, Any]]:
@@ -1286,24 +1533,39 @@ class NamespaceStore:
 # ============================================================================ credentials (I/O)
 
 
+def _without_waiting(path: str, flags: int) -> int:
+    """`open` that never waits: a FIFO with no writer would block start-up for ever."""
+    return os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY)
+
+
+def _credentials_document(path: str) -> dict[str, Any]:
+    """The credentials file parsed: a private regular file (checked before a byte is read, so
+    a FIFO or a device is never read) of at most 1 MiB of UTF-8 TOML. The nesting of TOML
+    arrays and tables has no limit of its own, so a deep one is refused when the parser's
+    recursion runs out."""
+    try:
+        with open(path, "rb", opener=_without_waiting) as file:
+            mode = os.fstat(file.fileno()).st_mode
+            if not stat.S_ISREG(mode) or mode & 0o077:
+                raise CredentialsError(
+                    "the credentials file must be a regular file of mode 0600 or 0400"
+                )
+            data = file.read(_CREDENTIALS_FILE_BYTES + 1)
+    except OSError:
+        raise CredentialsError("could not read the credentials file") from None
+    if len(data) > _CREDENTIALS_FILE_BYTES:
+        raise CredentialsError("the credentials file is larger than 1 MiB")
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+        raise CredentialsError("the credentials file is not valid TOML") from None
+
+
 def load_credentials(path: str) -> dict[bytes, Principal]:
     """Read `[[credentials]]` tables of `namespace`, `role` and `token` (the original's shape).
     Only SHA-256 hashes of the tokens are kept. The file must be private (no group or other
     access); several tokens may name one namespace (rotation); a repeated token is refused."""
-    try:
-        with open(path, "rb") as file:
-            mode = os.fstat(file.fileno()).st_mode
-            data = file.read(_CREDENTIALS_FILE_BYTES + 1)
-    except OSError:
-        raise CredentialsError("could not read the credentials file") from None
-    if not stat.S_ISREG(mode) or mode & 0o077:
-        raise CredentialsError("the credentials file must be a regular file of mode 0600 or 0400")
-    if len(data) > _CREDENTIALS_FILE_BYTES:
-        raise CredentialsError("the credentials file is larger than 1 MiB")
-    try:
-        document = tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError):
-        raise CredentialsError("the credentials file is not valid TOML") from None
+    document = _credentials_document(path)
     entries = document.get("credentials")
     if set(document) != {"credentials"} or not isinstance(entries, list) or not entries:
         raise CredentialsError("the credentials file needs [[credentials]] tables and nothing else")
@@ -1457,6 +1719,20 @@ def _log_event(**fields: object) -> None:
     _log.info(json.dumps(fields, separators=(",", ":")))
 
 
+class _ForeignRecords(logging.Handler):
+    """uvicorn's and asyncio's own warnings and errors as JSON lines like every other: the
+    logger, the level, the first line of the message's template (never its arguments, which
+    may hold what a peer sent) and the class of an exception."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        error = record.exc_info[1] if record.exc_info else None
+        _log_event(
+            event="server_log", logger=record.name, level=record.levelname,
+            message=str(record.msg).split("\n", 1)[0][:200],
+            error_type=None if error is None else type(error).__name__,
+        )  # fmt: skip
+
+
 class _Server:
     """The routes over one store and one set of principals."""
 
@@ -1464,7 +1740,8 @@ class _Server:
         self.store = store
         self.principals = principals
         self.timeout_s = timeout_s
-        self.threads = anyio.CapacityLimiter(MAX_IN_FLIGHT)
+        self.places = anyio.CapacityLimiter(MAX_IN_FLIGHT)  # /v1 operations, /mcp tool calls
+        self.threads = anyio.CapacityLimiter(MAX_IN_FLIGHT)  # the worker threads of /v1's
 
     async def handle(self, request: Request) -> Response:
         operation = _ROUTES[request.url.path]
@@ -1500,9 +1777,11 @@ class _Server:
         self, operation: _Operation, principal: Principal, body: bytes | None,
         headers: Mapping[bytes, bytes],
     ) -> _Reply:  # fmt: skip
-        deadline = time.monotonic() + self.timeout_s
+        """The operation in a worker thread, once it has one of the 64 places (its body is
+        read by then: a slow peer holds none); further ones wait their turn. The store timeout
+        starts with the place."""
 
-        def work() -> _Reply:
+        def work(deadline: float) -> _Reply:
             payload = None
             if operation.body is not None and body is not None:
                 payload = _fields(decode_json(body), _REQUESTS[operation.body], closed=True)
@@ -1511,10 +1790,12 @@ class _Server:
             except TactmemError as error:
                 raise _api_error(error) from None
 
-        with anyio.move_on_after(self.timeout_s + _GRACE_S):
-            return await anyio.to_thread.run_sync(
-                work, limiter=self.threads, abandon_on_cancel=True
-            )
+        async with self.places:
+            deadline = time.monotonic() + self.timeout_s
+            with anyio.move_on_after(self.timeout_s + _GRACE_S):
+                return await anyio.to_thread.run_sync(
+                    work, deadline, limiter=self.threads, abandon_on_cancel=True
+                )
         raise ApiError(503, "unavailable")
 
     @staticmethod
@@ -1532,11 +1813,12 @@ class _Server:
             elapsed_ms=round((time.monotonic() - started) * 1000, 3), **counts,
         )  # fmt: skip
 
-    async def health(self, request: Request) -> Response:
-        """Whether the store answers, and the protocol requests in flight and waiting (no
-        authentication, no content)."""
-        limit: InFlightLimit = request.app.state.limit
-        counts = {"in_flight": limit.active, "waiting": limit.waiting}
+    async def health(self, _request: Request) -> Response:
+        """Whether the store answers, and the operations holding one of the 64 places and
+        waiting for one (no authentication, no content; it takes no place itself, so it
+        answers while they are all taken)."""
+        counts = {"in_flight": self.places.borrowed_tokens}
+        counts["waiting"] = self.places.statistics().tasks_waiting
         deadline = time.monotonic() + min(self.timeout_s, 1.0)
         try:
             await anyio.to_thread.run_sync(
@@ -1553,37 +1835,6 @@ async def _empty_error(_request: Request, error: Exception) -> Response:
     """Unknown routes (404) and wrong methods (405) answer with an empty body, as axum does."""
     assert isinstance(error, HTTPException)
     return Response(b"", error.status_code, headers=error.headers)
-
-
-class InFlightLimit:
-    """At most `limit` protocol requests at once; more wait their turn (the original's 64).
-    `/healthz` is outside the limit, so it answers while the protocol routes are saturated."""
-
-    def __init__(self, app: ASGIApp, limit: int = MAX_IN_FLIGHT) -> None:
-        self.app = app
-        self.limit = limit
-        self.active = 0
-        self.waiting = 0
-        self._semaphore: anyio.Semaphore | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope["path"] if scope["type"] == "http" else ""
-        if not path.startswith("/v1/") and path != MCP_PATH:
-            await self.app(scope, receive, send)
-            return
-        if self._semaphore is None:  # made on the server's event loop
-            self._semaphore = anyio.Semaphore(self.limit)
-        self.waiting += 1
-        try:
-            await self._semaphore.acquire()
-        finally:
-            self.waiting -= 1
-        self.active += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.active -= 1
-            self._semaphore.release()
 
 
 _MCP_CALLER: Final = "tactmem.caller"  # the ASGI scope's (token hash, principal) at /mcp
@@ -1614,6 +1865,7 @@ class _McpEndpoint:
         }
         # Each session's tool and when it was last used, by (session id, token hash).
         self.tools: dict[tuple[str, bytes], tuple[tactmem.MemoryTool, float]] = {}
+        self.book = _SessionBook()
         self.manager: Any = None
         self.ready: anyio.Event | None = None
 
@@ -1628,7 +1880,7 @@ class _McpEndpoint:
             return StreamableHTTPSessionManager(
                 tactmem._mcp_server(self._surface, limiter=self.limiter), json_response=True,
                 session_idle_timeout=MCP_SESSION_IDLE_S, max_request_body_size=MAX_BODY_BYTES,
-                max_sessions=MCP_MAX_SESSIONS,
+                max_sessions=2 * MCP_MAX_SESSIONS,  # a backstop: `self.book` makes room first
             )  # fmt: skip
 
         self.manager = await anyio.to_thread.run_sync(manager)
@@ -1637,15 +1889,17 @@ class _McpEndpoint:
             await anyio.sleep_forever()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started, status, caller = time.monotonic(), 500, None
+        started, status, caller, opened = time.monotonic(), 500, None, ""
 
         async def watched(message: Message) -> None:
-            nonlocal status
+            nonlocal status, opened
             if message["type"] == "http.response.start":
                 status = message["status"]
+                opened = dict(message["headers"]).get(b"mcp-session-id", b"").decode("latin-1")
             await send(message)
 
         headers = _headers(scope)
+        asked = headers.get(b"mcp-session-id", b"").decode("latin-1")
         try:
             caller = bearer(self.principals, headers)
             assert self.ready is not None  # the application's lifespan runs `run`
@@ -1656,12 +1910,13 @@ class _McpEndpoint:
             if version and version not in HANDSHAKE_PROTOCOL_VERSIONS:
                 await _unsupported_version(version)(scope, receive, watched)
                 return
+            if not asked:  # a request that may open a session: first make room for it
+                await self._make_room(caller[0])
             user = _mcp_user(*caller)
             await self.manager.handle_request(
                 {**scope, "user": user, _MCP_CALLER: caller}, receive, watched
             )
-            if scope["method"] == "DELETE" and status < 400:  # the client ended its session
-                self._forget(headers.get(b"mcp-session-id", b"").decode("latin-1"))
+            self._keep_book(asked, opened, caller[0], scope["method"], status)
         except ApiError as error:
             response = _error_response(error)
             response.headers["www-authenticate"] = "Bearer"
@@ -1706,6 +1961,37 @@ class _McpEndpoint:
         for place in [p for p in self.tools if p[0] == session]:
             del self.tools[place]
 
+    def _keep_book(self, asked: str, opened: str, digest: bytes, method: str, status: int) -> None:
+        """After a request, the book (and the tools) in step with the SDK's sessions: one
+        opened, used, ended by its client (DELETE), or gone (404 to its own token)."""
+        now = time.monotonic()
+        if not asked:
+            if opened and status < 400:
+                self.book.opened(opened, digest, now)
+        elif self.book.owner(asked) == digest:
+            if status == 404 or (method == "DELETE" and status < 400):
+                self.book.closed(asked)
+                self._forget(asked)
+            else:
+                self.book.used(asked, now)
+
+    async def _make_room(self, digest: bytes) -> None:
+        """Before `digest` may open a session, close what the book says must go, as its client
+        would (a DELETE with its id, on its owner's behalf), and log each (never the id)."""
+        for session, reason in self.book.room(digest, time.monotonic()):
+            owner = self.book.owner(session)
+            self.book.closed(session)
+            self._forget(session)
+            if owner is None:
+                continue
+            principal = self.principals[owner]
+            scope = _closing_scope(session, _mcp_user(owner, principal))
+            await self.manager.handle_request(scope, _no_body, _discard)
+            _log_event(
+                event="mcp_session_closed", namespace=principal.namespace,
+                role=principal.role, reason=reason,
+            )  # fmt: skip
+
     @staticmethod
     def _call(
         tool: tactmem.MemoryTool, principal: Principal, arguments: dict[str, Any]
@@ -1722,6 +2008,72 @@ class _McpEndpoint:
             elapsed_ms=round((time.monotonic() - started) * 1000, 3),
         )  # fmt: skip
         return answer
+
+
+class _SessionBook:
+    """The open MCP sessions, least recently used first, each with its owner (a token's
+    hash), and which to close so that one more fits: at most `per_token` for one token, then
+    `total` in all, each time the least recently used. One token's agents can so never take
+    every session of the process (a host that leaks sessions loses its own oldest), and a
+    session idle for `idle_s` is forgotten (the SDK has closed it by then)."""
+
+    def __init__(
+        self, per_token: int = MCP_SESSIONS_PER_TOKEN, total: int = MCP_MAX_SESSIONS,
+        idle_s: float = MCP_SESSION_IDLE_S,
+    ) -> None:  # fmt: skip
+        self.per_token, self.total, self.idle_s = per_token, total, idle_s
+        self._sessions: collections.OrderedDict[str, tuple[bytes, float]] = (
+            collections.OrderedDict()
+        )
+
+    def owner(self, session: str) -> bytes | None:
+        kept = self._sessions.get(session)
+        return None if kept is None else kept[0]
+
+    def opened(self, session: str, owner: bytes, now: float) -> None:
+        self._sessions[session] = (owner, now)
+        self._sessions.move_to_end(session)
+
+    def used(self, session: str, now: float) -> None:
+        owner = self.owner(session)
+        if owner is not None:
+            self.opened(session, owner, now)
+
+    def closed(self, session: str) -> None:
+        self._sessions.pop(session, None)
+
+    def room(self, owner: bytes, now: float) -> list[tuple[str, str]]:
+        """The sessions to close before `owner` opens one, each with why."""
+        while self._sessions:
+            session, (_, used) = next(iter(self._sessions.items()))
+            if now - used < self.idle_s:
+                break
+            del self._sessions[session]
+        mine = [session for session, (who, _) in self._sessions.items() if who == owner]
+        excess = max(0, len(mine) - self.per_token + 1)
+        chosen = [(session, "token_share") for session in mine[:excess]]
+        taken = {session for session, _ in chosen}
+        others = [session for session in self._sessions if session not in taken]
+        over = len(self._sessions) - len(chosen) - self.total + 1
+        return chosen + [(session, "process_total") for session in others[: max(0, over)]]
+
+
+def _closing_scope(session: str, user: Any) -> Scope:
+    """A DELETE of `session` by its owner, as its client would end it."""
+    return {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "DELETE",
+        "scheme": "http", "path": MCP_PATH, "raw_path": MCP_PATH.encode(), "query_string": b"",
+        "root_path": "", "headers": [(b"mcp-session-id", session.encode("latin-1"))],
+        "client": None, "server": None, "user": user,
+    }  # fmt: skip
+
+
+async def _no_body() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+async def _discard(_message: Message) -> None:
+    return None
 
 
 def _mcp_user(digest: bytes, principal: Principal) -> Any:
@@ -1751,13 +2103,13 @@ def _unsupported_version(version: str) -> Response:
 
 def create_app(
     store: TeamStore, principals: _Principals, *, timeout_s: float = STORE_TIMEOUT_S
-) -> InFlightLimit:
+) -> Starlette:
     """The ASGI application: the eight routes of protocol v1 under `/v1`, the memory tool over
     MCP at `/mcp`, and `/healthz`."""
     if not principals:
         raise CredentialsError("at least one credential is required")
     server = _Server(store, principals, timeout_s)
-    mcp = _McpEndpoint(store, principals, timeout_s, server.threads)
+    mcp = _McpEndpoint(store, principals, timeout_s, server.places)
     routes = [Route(path, server.handle, methods=[op.method]) for path, op in _ROUTES.items()]
     routes.append(Route(MCP_PATH, mcp, methods=["POST", "DELETE"]))
     routes.append(Route("/healthz", server.health, methods=["GET"]))
@@ -1775,9 +2127,7 @@ def create_app(
         routes=routes, exception_handlers={HTTPException: _empty_error}, lifespan=lifespan
     )
     app.router.redirect_slashes = False  # `/v1/session/` is an unknown route, as in axum
-    app.state.limit = InFlightLimit(app)
-    limited: InFlightLimit = app.state.limit
-    return limited
+    return app
 
 
 # ============================================================================ command line (I/O)
@@ -1827,6 +2177,11 @@ def _parser() -> argparse.ArgumentParser:
         help=f"longest one store operation may take before 503 ({STORE_TIMEOUT_S:g})",
     )  # fmt: skip
     parser.add_argument(
+        "--read-timeout", default=READ_TIMEOUT_S, metavar="SECONDS",
+        type=_bounded(float, *_SECONDS, "a number of seconds from {:g} to {:g}".format(*_SECONDS)),
+        help=f"longest a request's head, then its body, may take to arrive ({READ_TIMEOUT_S:g})",
+    )  # fmt: skip
+    parser.add_argument(
         "--pool-size", type=_bounded(int, 1, math.inf, "a whole number of at least 1"),
         default=16, metavar="N", help="PostgreSQL connections per server process (16)",
     )  # fmt: skip
@@ -1834,10 +2189,98 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _connection_bounds(spare: int) -> tuple[int, int]:
+    """How many connections to accept at a time (the listen backlog, which asyncio also takes
+    as the most it accepts in one go) and to keep open, for the files this process may open:
+    its soft `RLIMIT_NOFILE` raised to the hard one. A connection past the files left would
+    make accepting fail, and asyncio then stops accepting for a second, again and again,
+    while a fresh request waits. Kept aside: `spare` files for the store, logs and the rest,
+    and two batches of accepted connections not yet closed to make room."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return _bounds_for(1 << 20 if soft == resource.RLIM_INFINITY else soft, spare)
+
+
+def _bounds_for(files: int, spare: int) -> tuple[int, int]:
+    backlog = min(2048, max(16, files // 8))
+    return backlog, max(1, min(MAX_CONNECTIONS, files - 2 * backlog - spare))
+
+
+def _bounded_protocol(read_timeout_s: float, max_connections: int) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with the bounds uvicorn lacks (it times out only a keep-alive
+    connection left idle after a response): a request's head must arrive within
+    `read_timeout_s` of the connection being opened or of the previous response, and its body
+    within `read_timeout_s` of the head, else the connection is closed (a body cut short is
+    the app's `ClientDisconnect`). At `max_connections`, a new connection closes the one that
+    has waited longest for a head or a body (an idle or a slow peer, never one being
+    answered), or itself when every other is being answered."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    waiting_for = {h11.IDLE: "head", h11.SEND_BODY: "body"}
+
+    class BoundedProtocol(H11Protocol):
+        phase: str | None = None  # what the connection waits for from its peer
+        since = 0.0  # when it began to
+        timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)  # type: ignore[arg-type]
+            self._follow()
+            self._make_room()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._follow()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._follow()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._time(None)
+            super().connection_lost(exc)
+
+        def _follow(self) -> None:
+            """Time the phase the peer is in: its head (from connection or the last answer),
+            then its body; nothing while its request is answered."""
+            phase = waiting_for.get(self.conn.their_state)
+            if phase != self.phase and not self.transport.is_closing():
+                self._time(phase)
+
+        def _time(self, phase: str | None) -> None:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.phase, self.since, self.timer = phase, self.loop.time(), None
+            if phase is not None:
+                self.timer = self.loop.call_later(read_timeout_s, self._close)
+
+        def _close(self) -> None:
+            self._time(None)  # no longer waiting: never chosen to make room twice
+            self.transport.close()
+
+        def _make_room(self) -> None:
+            if len(self.connections) <= max_connections:
+                return
+            waiting = [
+                peer for peer in self.connections
+                if isinstance(peer, BoundedProtocol) and peer.phase and peer is not self
+            ]  # fmt: skip
+            (min(waiting, key=lambda peer: peer.since) if waiting else self)._close()
+
+    return BoundedProtocol
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket. Its protocol is named (IPPROTO_TCP, not 0) because asyncio sets
     TCP_NODELAY only on connections accepted from such a socket; without it every response
     waited about 40 ms for the client's delayed ACK (headers and body are two writes)."""
+    try:  # how the socket module encodes a name: a byte that is not UTF-8 fails here
+        host.encode("idna")
+    except UnicodeError:
+        raise OSError(errno.EINVAL, "not an address or host name") from None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
@@ -1876,17 +2319,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CredentialsError, TactmemError) as error:
         print(f"tactmem-server: {error}", file=sys.stderr)
         return 2
-    except OSError as error:
-        print(
-            f"tactmem-server: cannot listen on {arguments.host}: {error.strerror}", file=sys.stderr
-        )
+    except OSError as error:  # the address is not echoed: it may hold any byte, a newline too
+        print(f"tactmem-server: cannot listen on --host, --port: {error.strerror}", file=sys.stderr)
         return 2
     app = create_app(TeamStore(engine), principals, timeout_s=arguments.store_timeout)
+    spare = _FILES_KEPT + (0 if arguments.sqlite else arguments.pool_size)
+    backlog, connections = _connection_bounds(spare)
     config = uvicorn.Config(
         app, interface="asgi3", log_config=None, access_log=False, lifespan="on",
-        timeout_graceful_shutdown=int(arguments.store_timeout + _GRACE_S),
+        timeout_graceful_shutdown=int(arguments.store_timeout + _GRACE_S), backlog=backlog,
+        http=_bounded_protocol(arguments.read_timeout, connections),
     )  # fmt: skip
-    logging.getLogger("uvicorn").setLevel(logging.WARNING)
+    for name in ("uvicorn", "asyncio"):
+        foreign = logging.getLogger(name)
+        foreign.setLevel(logging.WARNING)
+        foreign.addHandler(_ForeignRecords())
+        foreign.propagate = False
     sdk = logging.getLogger("mcp")  # its lines are not JSON, and some name a session id
     sdk.addHandler(logging.NullHandler())
     sdk.propagate = False

@@ -17,6 +17,9 @@ import json
 import os
 import pathlib
 import pwd
+import re
+import resource
+import selectors
 import shutil
 import signal
 import socket
@@ -174,6 +177,7 @@ class Client:
         method: str = "POST",
         headers: dict[str, str] | None = None,
         raw: bytes | None = None,
+        timeout: float = 120,
     ) -> tuple[int, bytes]:
         sent = {"content-type": "application/json"}
         token = TOKENS.get(namespace or "", ALICE) if token is None else token
@@ -183,7 +187,7 @@ class Client:
             sent["x-tact-memory-namespace"] = namespace
         sent.update(headers or {})
         data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
             connection.request(
                 method, path, body=data, headers={k: v for k, v in sent.items() if v}
@@ -216,9 +220,14 @@ class Client:
 class Server:
     """`tactmem-server` as a subprocess on a free port; its log lines are kept."""
 
-    def __init__(self, arguments: list[str], credentials: str, *extra: str) -> None:
+    def __init__(
+        self, arguments: list[str], credentials: str, *extra: str,
+        preexec_fn: Callable[[], object] | None = None,
+    ) -> None:  # fmt: skip
         command = [*SERVER, *arguments, "--credentials", credentials, "--port", "0", *extra]
-        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            command, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn
+        )
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url = ""
@@ -533,6 +542,30 @@ def test_the_last_ids_are_refused_not_a_wedged_namespace(client: Client) -> None
 NS = {"namespace": "alice"}
 
 
+def test_counters_at_their_limit_saturate_or_are_refused(client: Client) -> None:
+    """Every count and version the server writes is a 64-bit SQL integer on both backends: at
+    2^63 - 1 a scan or read count stays there (SQLite would make it REAL, PostgreSQL fail),
+    and a replace of the last version is a conflict."""
+    top = 2**63 - 1
+    snapshot = [
+        {**snapshot_record(1, 1, "saturated counter gotcha one"), "scan_count": top},
+        {**snapshot_record(2, 1, "saturated counter gotcha two"), "use_count": top},
+        {**snapshot_record(3, top, "the last version there is"), "updated_at_ms": 20},
+    ]
+    assert client.ok("/v1/memories/sync", {"memories": snapshot})["inserted"] == 3
+    for _ in range(2):
+        cards = client.ok("/v1/memories/scan", {"query": "saturated counter gotcha", "limit": 5})
+        assert sorted(card["key"]["id"] for card in cards["candidates"]) == [1, 2]
+        read = client.ok("/v1/memories/read", {"ids": [1, 2]})["memories"]
+        assert [r["key"]["id"] for r in read] == [1, 2]
+    exported = {r["key"]["id"]: r for r in client.export(["alice"])}
+    assert (exported[1]["scan_count"], exported[1]["use_count"]) == (top, 2)
+    assert (exported[2]["scan_count"], exported[2]["use_count"]) == (2, top)
+    last = {"content": "one version more", "replacement": {"id": 3, "version": top, **NS}}
+    assert_error(client.call("/v1/memories/put", last), 409, "conflict")
+    assert exported[3]["key"]["version"] == top and exported[3]["content"] == snapshot[2]["content"]
+
+
 def test_export_paginates_all_or_selected_without_deduplication(client: Client) -> None:
     client.put("same normalized content")
     client.put("alice second export note")
@@ -800,6 +833,143 @@ def test_store_timeout_answers_unavailable_and_writes_nothing(
     assert client.put("written after the lock")["key"]["id"] == 1
 
 
+class SlowPeers:
+    """`count` connections to a server from one thread, each sending `head` once connected and
+    then one byte of `trickle` every `every_s` (nothing, when it is empty): slow bodies, slow
+    heads or idle keep-alive connections. A connection the server closes is counted and
+    opened again, so the pressure stays until the block ends. Connecting never blocks: a
+    server that accepts slowly only slows the peers down."""
+
+    def __init__(
+        self, port: int, count: int, head: bytes = b"", trickle: bytes = b"", every_s: float = 0.5
+    ) -> None:  # fmt: skip
+        self.port, self.count, self.head, self.trickle, self.every_s = (
+            port, count, head, trickle, every_s,
+        )  # fmt: skip
+        self.closed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> SlowPeers:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _open(self, selector: selectors.BaseSelector) -> None:
+        peer = socket.socket()
+        peer.setblocking(False)
+        peer.connect_ex(("127.0.0.1", self.port))
+        selector.register(peer, selectors.EVENT_WRITE, [0])  # bytes of `trickle` sent
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        for _ in range(self.count):
+            self._open(selector)
+        tick = time.monotonic()
+        while not self._stop.is_set():
+            for key, events in selector.select(0.05):
+                self._answer(selector, key, events)
+            if self.trickle and time.monotonic() >= tick:
+                tick = time.monotonic() + self.every_s
+                for key in list(selector.get_map().values()):
+                    if key.events == selectors.EVENT_READ:  # connected, its head sent
+                        self._send(selector, key, self.trickle[key.data[0] : key.data[0] + 1])
+                        key.data[0] += 1
+        for key in list(selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+
+    def _answer(self, selector: selectors.BaseSelector, key: Any, events: int) -> None:
+        if events & selectors.EVENT_WRITE:  # connected (or refused): send the head
+            selector.modify(key.fileobj, selectors.EVENT_READ, key.data)
+            self._send(selector, key, self.head)
+            return
+        with contextlib.suppress(OSError):  # an answer to drain, or the server closed it
+            if key.fileobj.recv(65536):
+                return
+        self._replace(selector, key)
+
+    def _send(self, selector: selectors.BaseSelector, key: Any, data: bytes) -> None:
+        try:
+            key.fileobj.send(data)
+        except OSError:
+            self._replace(selector, key)
+
+    def _replace(self, selector: selectors.BaseSelector, key: Any) -> None:
+        if key.fileobj.fileno() < 0 or key.fileobj not in selector.get_map():
+            return
+        selector.unregister(key.fileobj)
+        key.fileobj.close()
+        self.closed += 1
+        self._open(selector)
+
+
+def put_head(length: int) -> bytes:
+    return (
+        f"POST /v1/memories/put HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE}\r\n"
+        "x-tact-memory-namespace: alice\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def answered_at_once(client: Client) -> None:
+    """A fresh request answered within 10 seconds (a socket timeout, not a speed check)."""
+    assert client.call("/v1/session", method="GET", timeout=10)[0] == 200
+
+
+def test_slow_bodies_hold_no_place_and_are_cut_off(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
+    """70 connections sending a put's body a byte every half second: none holds one of the 64
+    places (a request takes one once its body is in), a fresh request is answered at once,
+    and the server closes each once its body is not in within `--read-timeout`. The place
+    limit does not depend on the backend, so SQLite alone is used."""
+    arguments = ["--sqlite", str(tmp_path / "team.sqlite3")]
+    server = Server(arguments, credentials, "--store-timeout", "1", "--read-timeout", "2")
+    port = urlsplit(server.url).port or 0
+    try:
+        with SlowPeers(port, 70, put_head(100_000), b"x" * 100_000) as peers:
+            time.sleep(0.5)
+            answered_at_once(server.client)
+            assert health(server.client) == {"status": "ok", "in_flight": 0, "waiting": 0}
+            wait_for(lambda: peers.closed >= 70, "every slow body cut off", 20)
+            answered_at_once(server.client)
+    finally:
+        server.stop()
+    cut = [e for e in _events(server) if e.get("operation") == "put"]
+    assert cut and {(e["status"], e["error_code"]) for e in cut} == {(400, "bad_request")}
+
+
+def test_slow_heads_and_idle_connections_cannot_stop_a_fresh_request(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
+    """300 idle connections and 300 sending a request head a byte every half second, opened
+    again as soon as the server closes them, against a server allowed 256 open files: a fresh
+    request is still answered at once, each time, and the server never runs out of files. A
+    head must arrive within `--read-timeout`, and when connections run short the one that has
+    waited longest for its head or body is closed to make room."""
+
+    def few_files() -> None:  # soft and hard: the server raises its soft limit to the hard
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    arguments = ["--sqlite", str(tmp_path / "team.sqlite3")]
+    server = Server(arguments, credentials, "--read-timeout", "2", preexec_fn=few_files)
+    port = urlsplit(server.url).port or 0
+    slow_head = b"GET /v1/session HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"s" * 10_000
+    try:
+        with SlowPeers(port, 300) as idle, SlowPeers(port, 300, b"", slow_head) as slow:
+            for _ in range(3):
+                answered_at_once(server.client)
+                time.sleep(1)
+            wait_for(lambda: min(idle.closed, slow.closed) >= 100, "peers closed", 30)
+            answered_at_once(server.client)
+    finally:
+        server.stop()
+    assert all(line.startswith("{") for line in server.lines)  # never out of files
+
+
 def test_logs_are_structured_and_hold_no_token_or_content(start: Callable[..., Server]) -> None:
     server = start()
     client = server.client
@@ -873,6 +1043,25 @@ def test_a_body_cut_short_is_a_logged_bad_request_not_a_traceback(
     assert "zebracorn" not in "".join(server.lines)
 
 
+def test_uvicorns_own_records_are_json_lines_too(start: Callable[..., Server]) -> None:
+    """A request that is not HTTP makes uvicorn log a warning: it is a JSON line like the
+    others, the fixed message only, never what the peer sent."""
+    server = start()
+    with socket.create_connection(("127.0.0.1", urlsplit(server.url).port or 0)) as peer:
+        peer.sendall(b"NOT HTTP zebracorn\r\n\r\n")
+        assert peer.recv(100).startswith(b"HTTP/1.1 400 ")
+    wait_for(lambda: any("server_log" in line for line in server.lines), "uvicorn's warning")
+    server.stop()
+    assert {
+        "event": "server_log",
+        "logger": "uvicorn.error",
+        "level": "WARNING",
+        "message": "Invalid HTTP request received.",
+        "error_type": None,
+    } in _events(server)
+    assert "zebracorn" not in "".join(server.lines)  # fmt: skip
+
+
 def test_hostile_rows_are_hidden_not_a_500(
     backend: list[str], start: Callable[..., Server]
 ) -> None:
@@ -927,6 +1116,76 @@ def test_hostile_rows_are_hidden_not_a_500(
     assert client.ok("/v1/memories/read", {"keys": keys})["memories"] == []
     answer = client.call("/v1/memories/put", {"content": "bob has no id left"}, namespace="bob")
     assert_error(answer, 507, "content_capacity")
+
+
+def test_scan_offers_only_what_read_returns(
+    backend: list[str], start: Callable[..., Server]
+) -> None:
+    """Rows a foreign writer left that read, list and export hide (NUL in the text, which only
+    SQLite can hold; blank, secret-shaped or oversized content; times the client refuses; a
+    namespace no credential names) are never a scan's card either, on /v1 and at /mcp."""
+    server = start()
+    shown = server.client.put("zebracorn note anyone may read")
+    rows = [("bob", "   \u3000 "), ("bob", "zebracorn password = hunter2hunter2")]
+    rows += [("bob", "zebracorn " + "x" * 1100), ("\u00e9", "zebracorn in no namespace")]
+    rows += [("bob", "zebracorn created after it was updated")]
+    if backend[0] == "--sqlite":  # PostgreSQL text cannot hold U+0000 at all
+        rows.append(("bob", "zebracorn nul \0 inside"))
+    statements: list[tuple[str, list[object]]] = [
+        ("INSERT INTO memory_namespaces (namespace) VALUES (?) ON CONFLICT DO NOTHING", [ns])
+        for ns in ("bob", "\u00e9")
+    ]
+    insert = (
+        "INSERT INTO memories (namespace, id, version, content, identity, created_at_ms,"
+        " updated_at_ms) VALUES (?, ?, 1, ?, ?, ?, 5)"
+    )
+    statements += [
+        (insert, [ns, n, text, f"i{n}", 6 if "after" in text else 0])
+        for n, (ns, text) in enumerate(rows, 1)
+    ]
+    outside(backend, *statements)
+    keys = [{"id": n, "version": 1, "namespace": ns} for n, (ns, _) in enumerate(rows, 1)]
+    keys = [key for key in keys if key["namespace"] == "bob"]  # a read cannot name the other
+    client = server.client
+    assert client.ok("/v1/memories/read", {"keys": keys}, namespace="reader")["memories"] == []
+    for query in ("zebracorn", "zebracorn nul inside", "zebracorn created updated"):
+        cards = client.ok("/v1/memories/scan", {"query": query, "limit": 5})["candidates"]
+        assert [card["key"] for card in cards] == [shown["key"]], query
+    _, (scan,) = mcp_calls(server.url, BOB, [{"operation": "scan", "query": "zebracorn nul"}])
+    assert [card["key"] for card in scan["candidates"]] == [shown["key"]]
+
+
+def test_what_is_gone_leaves_no_copy_in_the_sqlite_files(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
+    """Deleted, replaced, synced-away and pruned content is in neither the main file nor its
+    -wal (nor a journal) once the operation is acknowledged: secure_delete zeroes it in the
+    pages, and no older copy of a page is kept beside them."""
+    server = Server(["--sqlite", str(tmp_path / "team.sqlite3")], credentials)
+    client = server.client
+
+    def on_disk(marker: str) -> bool:
+        files = [path.read_bytes() for path in tmp_path.glob("team.sqlite3*")]
+        return any(marker.encode() in data for data in files)
+
+    try:
+        deleted = client.put("zebracorn-deleted note")
+        assert on_disk("zebracorn-deleted")  # while a record lives, its text is on disk
+        assert client.call("/v1/memories/delete", {"key": deleted["key"]}) == (200, b"{}")
+        assert not on_disk("zebracorn-deleted")
+        replaced = client.put("zebracorn-replaced note")
+        client.put("its successor, in other words", replacement=replaced["key"])
+        assert not on_disk("zebracorn-replaced") and on_disk("its successor")
+        synced = [snapshot_record(7, 1, "zebracorn-synced note")]
+        client.ok("/v1/memories/sync", {"memories": synced}, namespace="bob")
+        client.ok("/v1/memories/sync", {"memories": []}, namespace="bob")
+        assert not on_disk("zebracorn-synced")
+        expired = {**snapshot_record(8, 1, "zebracorn-pruned note"), "probation_until_ms": 1}
+        client.ok("/v1/memories/sync", {"memories": [expired]}, namespace="bob")
+        client.ok("/v1/memories/list")  # any operation but a delete prunes, in every namespace
+        assert not on_disk("zebracorn-pruned")
+    finally:
+        server.stop()
 
 
 def test_graceful_shutdown_finishes_requests_in_flight(
@@ -995,6 +1254,7 @@ BAD_OPTIONS = [
     ("--store-timeout", "0"), ("--store-timeout", "-1"), ("--store-timeout", "1e300"),
     ("--store-timeout", "soon"), ("--port", "99999"), ("--port", "65536"), ("--port", "-1"),
     ("--port", "http"), ("--pool-size", "0"), ("--pool-size", "-2"), ("--pool-size", "1.5"),
+    ("--read-timeout", "0"), ("--read-timeout", "nan"), ("--read-timeout", "soon"),
 ]  # fmt: skip
 
 
@@ -1012,6 +1272,101 @@ def test_bad_options_are_one_line_usage_errors(
     last = run.stderr.splitlines()[-1]
     assert last.startswith(f"tactmem-server: error: argument {option}: expected "), last
     assert not database.exists()
+
+
+def _hostile_file(tmp_path: pathlib.Path, kind: str) -> str:
+    """A path that is no usable start-up file: each kind a way a file can be wrong."""
+    path = tmp_path / kind.replace(" ", "-")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link to a fifo":
+        os.mkfifo(tmp_path / "target-fifo")
+        path.symlink_to(tmp_path / "target-fifo")
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "socket":
+        with socket.socket(socket.AF_UNIX) as bound:
+            bound.bind(str(path))
+    elif kind == "symlink loop":
+        path.symlink_to(tmp_path / "loop-back")
+        (tmp_path / "loop-back").symlink_to(path)
+    elif kind == "/dev/zero":
+        return "/dev/zero"
+    else:
+        texts = {
+            "not UTF-8": b"\xff\xfe[[credentials]]\n",
+            "deep arrays": b"a = " + b"[" * 100_000 + b"]" * 100_000 + b"\n",
+            "deep tables": b"a = " + b"{b = " * 5_000 + b"1" + b"}" * 5_000 + b"\n",
+            "huge": b"",
+        }
+        path.write_bytes(texts[kind])
+        if kind == "huge":
+            os.truncate(path, 10 * 2**30)  # sparse: 10 GiB of zeros
+        path.chmod(0o600)
+    return str(path)
+
+
+HOSTILE_FILES = [
+    "fifo", "link to a fifo", "directory", "socket", "symlink loop", "/dev/zero", "not UTF-8",
+    "deep arrays", "deep tables", "huge",
+]  # fmt: skip
+ODD_VALUES: list[tuple[str, bytes]] = [
+    ("--host", b"\xff"), ("--host", b"local\nhost"), ("--host", b"999.1.1.1"),
+    ("--host", b"[::1]"), ("--host", b"h" * 300),
+    ("--postgres", b"\xff"), ("--postgres", b"postgresql://%ff@/x?host=/nonexistent"),
+    ("--postgres", b"host=" + b"a" * 3000), ("--postgres", b"postgresql://["),
+    ("--postgres", b"host=/nonexistent dbname=\xff"),
+]  # fmt: skip
+
+
+def _start_refused(arguments: list[str | bytes], saying: str = "") -> str | None:
+    """Start a real server that must refuse at once: one line on stderr (`saying` this), exit
+    status 2, no traceback (a hang fails by the timeout rather than holding the suite). What
+    went wrong, if anything."""
+    try:
+        run = subprocess.run([*SERVER, *arguments], capture_output=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return f"{arguments}: no answer in 20 s"
+    stderr = run.stderr.decode("utf-8", "replace")
+    one_line = stderr.startswith("tactmem-server: ") and stderr.count("\n") == 1
+    if run.returncode != 2 or not one_line or "Traceback" in stderr or run.stdout:
+        return f"{arguments}: exit {run.returncode}, {stderr[-300:]!r}"
+    return None if saying in stderr else f"{arguments}: {stderr!r}"
+
+
+def test_every_start_up_input_is_one_line_and_exit_2(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
+    """Whatever the credentials file or the SQLite file is (a FIFO, a directory, a device, a
+    socket, a symlink loop, huge, not UTF-8, nested without end), and whatever odd --host or
+    --postgres is given, start-up ends at once with one line and exit status 2."""
+    database = str(tmp_path / "team.sqlite3")
+    runs: list[list[str | bytes]] = []
+    for number, kind in enumerate(HOSTILE_FILES):
+        place = tmp_path / f"c{number}"
+        place.mkdir()
+        runs.append(["--sqlite", database, "--credentials", _hostile_file(place, kind)])
+        place = tmp_path / f"s{number}"
+        place.mkdir()
+        runs.append(["--sqlite", _hostile_file(place, kind), "--credentials", credentials])
+    for option, value in ODD_VALUES:
+        storage = [] if option == "--postgres" else ["--sqlite", database]
+        runs.append([*storage, option, value, "--credentials", credentials, "--port", "0"])
+    with ThreadPoolExecutor(4) as pool:
+        failures = [failed for failed in pool.map(_start_refused, runs) if failed]
+    assert not failures, "\n".join(failures)
+    for number, kind in enumerate(HOSTILE_FILES):  # a refused SQLite file gets no sidecars
+        left = set(os.listdir(tmp_path / f"s{number}"))
+        assert left <= {kind.replace(" ", "-"), "target-fifo", "loop-back"}, kind
+
+
+def test_the_peer_bounds_by_default() -> None:
+    """The production bounds the slow-peer tests run smaller: 10 s for a head and then for a
+    body, and connections and the accept backlog sized to the files the process may open."""
+    defaults = tactmem_server._parser().parse_args(["--sqlite", "x", "--credentials", "y"])
+    assert defaults.read_timeout == 10 and defaults.store_timeout == 30
+    bounds = {files: tactmem_server._bounds_for(files, 64) for files in (100, 256, 1024, 1 << 20)}
+    assert bounds == {100: (16, 4), 256: (32, 128), 1024: (128, 704), 1 << 20: (2048, 1024)}
 
 
 def _events(server: Server) -> list[dict[str, Any]]:
@@ -1060,6 +1415,220 @@ def test_a_tactmem_store_file_is_not_a_team_database(
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode == 2 and "not a tactmem-server database" in run.stderr
+
+
+def _server_file(path: pathlib.Path) -> None:
+    """A SQLite file as tactmem-server leaves it: its tables and one record."""
+    store = tactmem_server.TeamStore(tactmem_server.SqliteEngine(str(path)))
+    put = tactmem._check_put("a record the server wrote", None, tactmem.Limits(), tactmem._now_ms())
+    store.put("alice", put, time.monotonic() + 30)
+    store.close()
+
+
+def _run_sql(path: pathlib.Path, *statements: str) -> None:
+    with contextlib.closing(sqlite3.connect(path)) as connection, connection:
+        for statement in statements:
+            connection.execute(statement)
+
+
+_LOOSE_MEMORIES = tactmem_server._SCHEMA[1].format(ns="TEXT", int="INTEGER", strict="")
+SQLITE_PLANTED = {  # what a foreign writer adds to a file the server made
+    "trigger": "CREATE TRIGGER lose AFTER INSERT ON memories BEGIN"
+    " DELETE FROM memories WHERE namespace = NEW.namespace AND id = NEW.id; END",
+    "view": "CREATE VIEW everything AS SELECT * FROM memories",
+    "index": "CREATE INDEX by_content ON memories (content)",
+    "table": "CREATE TABLE app_users (id INTEGER PRIMARY KEY, email TEXT)",
+    "user version": "PRAGMA user_version = 3",
+    "memories of another definition": f"DROP TABLE memories; {_LOOSE_MEMORIES}",
+}
+
+
+def _foreign_sqlite_file(path: pathlib.Path, kind: str) -> None:
+    if kind in SQLITE_PLANTED:
+        _server_file(path)
+        with contextlib.closing(sqlite3.connect(path)) as connection:
+            connection.executescript(SQLITE_PLANTED[kind])
+    elif kind == "another application":
+        _run_sql(path, "CREATE TABLE accounts (id INTEGER PRIMARY KEY, email TEXT)")
+    elif kind == "a local tactmem store":
+        with tactmem.Store(path) as store:
+            store.put("a local conclusion")
+    else:  # the server's own tables, in a file whose text is UTF-16
+        with contextlib.closing(sqlite3.connect(path)) as connection:
+            connection.execute("PRAGMA encoding = 'UTF-16le'")
+            for statement in tactmem_server._SCHEMA:
+                connection.execute(statement.format(ns="TEXT", int="INTEGER", strict=" STRICT"))
+
+
+def _files_of(directory: pathlib.Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def _refused_untouched(arguments: list[str], watched: Callable[[], object]) -> str | None:
+    """Start a real server on a database it must refuse; what went wrong, if anything: it
+    must say so in one line and exit 2, and leave what `watched` sees (every file of the
+    database's directory, or a dump of the PostgreSQL database) as it was."""
+    before = watched()
+    failed = _start_refused([*arguments, "--port", "0"], "not a tactmem-server database")
+    if watched() != before:
+        failed = f"{arguments}: the refused database changed ({failed})"
+    return failed
+
+
+def test_a_sqlite_file_the_server_did_not_create_is_refused_untouched(
+    tmp_path: pathlib.Path, credentials: str
+) -> None:
+    """The local store's rules, before anything writes: a file holding a trigger (one that
+    deletes every row the server inserts), a view, an index or a table the server did not
+    create, a `memories` table of another definition, another user_version, UTF-16 text,
+    another application's tables or a local tactmem store is refused, byte for byte as it
+    was, and no -wal or -shm file appears beside it."""
+    kinds = [*SQLITE_PLANTED, "another application", "a local tactmem store", "UTF-16 text"]
+
+    def refused(number: int) -> str | None:
+        directory = tmp_path / f"f{number}"
+        directory.mkdir()
+        _foreign_sqlite_file(directory / "team.sqlite3", kinds[number])
+        arguments = ["--sqlite", str(directory / "team.sqlite3"), "--credentials", credentials]
+        return _refused_untouched(arguments, lambda: _files_of(directory))
+
+    with ThreadPoolExecutor(4) as pool:
+        failures = [failed for failed in pool.map(refused, range(len(kinds))) if failed]
+    assert not failures, "\n".join(failures)
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    _server_file(ours / "team.sqlite3")
+    _run_sql(ours / "team.sqlite3", "ANALYZE")  # an operator's statistics are welcome
+    server = Server(["--sqlite", str(ours / "team.sqlite3")], credentials)
+    try:
+        assert [r["content"] for r in server.client.export()] == ["a record the server wrote"]
+    finally:
+        server.stop()
+
+
+_ELSEWHERE = "CREATE SCHEMA elsewhere"
+_LOSE = (
+    "CREATE FUNCTION elsewhere.lose() RETURNS trigger LANGUAGE plpgsql AS"
+    " 'BEGIN DELETE FROM memories WHERE namespace = NEW.namespace AND id = NEW.id; RETURN NULL;"
+    " END'"
+)
+POSTGRES_PLANTED: dict[str, list[str]] = {  # what another application adds beside the tables
+    "a table": ["CREATE TABLE notes (id bigint PRIMARY KEY, body text)"],
+    "a view": ["CREATE VIEW everything AS SELECT * FROM memories"],
+    "a materialized view": ["CREATE MATERIALIZED VIEW counted AS SELECT count(*) FROM memories"],
+    "a sequence": ["CREATE SEQUENCE tickets"],
+    "a function": ["CREATE FUNCTION answer() RETURNS int LANGUAGE sql AS 'SELECT 42'"],
+    "a type": ["CREATE TYPE mood AS ENUM ('fine')"],
+    "an operator": [
+        "CREATE FUNCTION text_eq(text, text) RETURNS boolean LANGUAGE sql AS 'SELECT true'",
+        "CREATE OPERATOR === (LEFTARG = text, RIGHTARG = text, FUNCTION = text_eq)",
+    ],
+    "a trigger": [
+        _ELSEWHERE, _LOSE,
+        "CREATE TRIGGER lose AFTER INSERT ON memories FOR EACH ROW"
+        " EXECUTE FUNCTION elsewhere.lose()",
+    ],
+    "a rule": ["CREATE RULE lose AS ON INSERT TO memories DO INSTEAD NOTHING"],
+    "a policy": [
+        "ALTER TABLE memories ENABLE ROW LEVEL SECURITY",
+        "CREATE POLICY hidden ON memories USING (false)",
+    ],
+    "row security alone": ["ALTER TABLE memories FORCE ROW LEVEL SECURITY"],
+    "an index": ["CREATE INDEX by_content ON memories (content)"],
+    "a column": ["ALTER TABLE memories ADD COLUMN note text"],
+    "a dropped check": ["ALTER TABLE memories DROP CONSTRAINT memories_version_check"],
+    "another column type": ["ALTER TABLE memories ALTER COLUMN scan_count TYPE numeric"],
+    "another collation": ['ALTER TABLE memories ALTER COLUMN content TYPE text COLLATE "POSIX"'],
+    "a child table elsewhere": [_ELSEWHERE, "CREATE TABLE elsewhere.more () INHERITS (memories)"],
+    "a foreign key from elsewhere": [
+        _ELSEWHERE,
+        'CREATE TABLE elsewhere.pins (ns text COLLATE "C", id bigint,'
+        " FOREIGN KEY (ns, id) REFERENCES memories (namespace, id))",
+    ],
+    "an event trigger": [
+        _ELSEWHERE,
+        "CREATE FUNCTION elsewhere.watch() RETURNS event_trigger LANGUAGE plpgsql AS"
+        " 'BEGIN END'",
+        "CREATE EVENT TRIGGER watch ON ddl_command_start EXECUTE FUNCTION elsewhere.watch()",
+    ],
+}  # fmt: skip
+
+
+def _dump(cluster: Cluster, database: str) -> str:
+    """The whole database as pg_dump writes it: schema, data and privileges."""
+    pg_dump = _postgres_binary("pg_dump")
+    assert pg_dump is not None
+    command = [pg_dump, "-h", cluster.socket_dir, "-U", "postgres", "--no-sync", database]
+    dump = subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout
+    return re.sub(r"(?m)^\\(un)?restrict .*$", "", dump)  # a random key each run
+
+
+def test_a_postgres_database_the_server_did_not_create_is_refused_untouched(
+    cluster: Cluster, credentials: str
+) -> None:
+    """Before it writes anything, the server compares what the schema it uses holds (tables,
+    views, sequences, functions, types, operators, indexes, every column and constraint of
+    its own tables) and what is attached to its tables from anywhere (triggers, rules,
+    policies, row security, inheriting tables, foreign keys), and the database's event
+    triggers, with exactly what it creates: another application's database, or the server's
+    own with anything added or changed, is refused and left as it was (its dump identical)."""
+
+    def refused(kind: str) -> str | None:
+        database = cluster.new_database()
+        url = cluster.url(database)
+        if kind != "another application":
+            tactmem_server.PostgresEngine(url, pool_size=1).close()
+        statements = POSTGRES_PLANTED.get(kind, ["CREATE TABLE accounts (id bigint, email text)"])
+        outside(["--postgres", url], *[(statement, []) for statement in statements])
+        arguments = ["--postgres", url, "--credentials", credentials]
+        return _refused_untouched(arguments, lambda: _dump(cluster, database))
+
+    with ThreadPoolExecutor(4) as pool:
+        kinds = [*POSTGRES_PLANTED, "another application"]
+        failures = [failed for failed in pool.map(refused, kinds) if failed]
+    assert not failures, "\n".join(failures)
+    import psycopg
+
+    database = cluster.new_database()  # what the server creates is exactly what it accepts
+    tactmem_server.PostgresEngine(cluster.url(database), pool_size=1).close()
+    with psycopg.connect(cluster.dsn(database)) as connection:
+        connection.execute("ANALYZE")  # an operator's statistics are welcome
+        found = set(connection.execute(tactmem_server._POSTGRES_CATALOG).fetchall())
+    assert found == tactmem_server._POSTGRES_OBJECTS
+    server = Server(["--postgres", cluster.url(database)], credentials)
+    try:
+        assert server.client.put("the server's own database")["key"]["id"] == 1
+    finally:
+        server.stop()
+
+
+def test_a_trigger_planted_under_a_running_server_loses_nothing(
+    backend: list[str], start: Callable[..., Server]
+) -> None:
+    """A trigger added while the server runs (one that deletes every row the server inserts)
+    is found before the next operation writes: every operation is then 500 `internal`,
+    logged with its class, nothing acknowledged is lost, and the server serves again once
+    the trigger is gone. SQLite checks the whole file whenever its schema changed; PostgreSQL
+    checks what runs on its tables (triggers, rules, policies, inheriting tables) in every
+    transaction, holding the tables against a change until it commits."""
+    server = start()
+    client = server.client
+    kept = client.put("written before the trigger")
+    if backend[0] == "--sqlite":
+        plant, remove = [SQLITE_PLANTED["trigger"]], ["DROP TRIGGER lose"]
+    else:
+        plant, remove = POSTGRES_PLANTED["a trigger"], ["DROP TRIGGER lose ON memories"]
+    outside(backend, *[(statement, []) for statement in plant])
+    for route, body in (("put", {"content": "never lost in silence"}), ("list", None)):
+        assert_error(client.call(f"/v1/memories/{route}", body), 500, "internal")
+    outside(backend, *[(statement, []) for statement in remove])
+    assert client.export() == [kept]
+    assert client.put("written once the trigger is gone")["key"]["id"] == 2
+    server.stop()
+    failed = [e for e in _events(server) if e.get("status") == 500]
+    assert [(e["operation"], e["error_type"]) for e in failed] == [
+        ("put", "StorageError"), ("list", "StorageError"),
+    ]  # fmt: skip
 
 
 # ============================================================================ several processes
@@ -1266,7 +1835,11 @@ def test_token_statistics_are_refreshed_only_for_changed_namespaces(
             )
 
     def fetched() -> list[object]:
-        found = [p for sql, p in engine.statements if sql.startswith("SELECT id, version, content")]
+        found = [
+            p
+            for sql, p in engine.statements
+            if sql.startswith("SELECT namespace, id, version, content")
+        ]
         engine.statements.clear()
         return [params[0] for params in found]
 
@@ -1527,7 +2100,7 @@ def test_mcp_scan_gate_is_per_session(start: Callable[..., Server]) -> None:
 
 def mcp_post(
     client: Client, token: str | None, message: object, session: str | None = None,
-    headers: dict[str, str] | None = None, raw: bytes | None = None,
+    headers: dict[str, str] | None = None, raw: bytes | None = None, timeout: float = 120,
 ) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
     """One raw JSON-RPC POST to /mcp: the status, the headers and the body."""
     sent = {"content-type": "application/json", "accept": "application/json, text/event-stream"}
@@ -1537,7 +2110,7 @@ def mcp_post(
         sent["mcp-session-id"] = session
         sent["mcp-protocol-version"] = "2025-11-25"
     sent.update(headers or {})
-    connection = http.client.HTTPConnection(client.host, client.port, timeout=120)
+    connection = http.client.HTTPConnection(client.host, client.port, timeout=timeout)
     try:
         body = json.dumps(message).encode() if raw is None else raw
         connection.request("POST", "/mcp", body=body, headers=sent)
@@ -1644,16 +2217,20 @@ def test_mcp_bounds_and_logs(backend: list[str], start: Callable[..., Server]) -
     client = server.client
     oversized = b"x" * (2 * 1024 * 1024 + 1)
     assert mcp_post(client, ALICE, None, raw=oversized)[0] == 413
-    # /mcp shares the 64 requests in flight with /v1: the 65th waits.
+    # /mcp's tool calls share the 64 places with /v1: the 65th waits. Opening a session
+    # does no store work, so it takes no place and is answered meanwhile.
+    session = mcp_open(client, ALICE)
     with ThreadPoolExecutor(65) as pool, store_locked(backend):
         answers = [pool.submit(client.call, "/v1/memories/list", None) for _ in range(64)]
         wait_for(lambda: health(client)["in_flight"] == 64, "64 requests in flight")
-        opening = pool.submit(mcp_post, client, ALICE, INITIALIZE)
-        wait_for(lambda: health(client)["waiting"] == 1, "the MCP request waiting")
+        assert mcp_post(client, ALICE, INITIALIZE, timeout=10)[0] == 200
+        scan = tool_call(2, operation="scan", query="waits for a place")
+        calling = pool.submit(mcp_post, client, ALICE, scan, session)
+        wait_for(lambda: health(client)["waiting"] == 1, "the MCP tool call waiting")
         time.sleep(0.3)
-        assert not opening.done()
+        assert not calling.done()
     assert [answer.result()[0] for answer in answers] == [200] * 64
-    assert opening.result()[0] == 200
+    assert calling.result()[0] == 200
     _, results = mcp_calls(server.url, ALICE, [
         {"operation": "scan", "query": "zebracorn-query-marker"},
         {"operation": "put", "content": "note about zebracorn-marker-in-content"},
@@ -1668,6 +2245,7 @@ def test_mcp_bounds_and_logs(backend: list[str], start: Callable[..., Server]) -
     assert events[-1] == {"event": "stopped"}
     tools = [(e["operation"], e["error_code"]) for e in events if e["event"] == "tool"]
     assert tools == [
+        ("scan", None),  # the call that waited for a place
         ("scan", None),
         ("put", None),
         ("put", "scan_required"),
@@ -1679,6 +2257,48 @@ def test_mcp_bounds_and_logs(backend: list[str], start: Callable[..., Server]) -
     text = "".join(server.lines)
     for leak in ("zebracorn", "hunter2", ALICE, "password", "mcp-session-id"):
         assert leak not in text
+
+
+def test_one_token_cannot_take_every_mcp_session(tmp_path: pathlib.Path, credentials: str) -> None:
+    """A token that opens more sessions than its share (64) gets its least recently used ones
+    closed to make room (their next request is the 404 of a session gone), and another
+    token's agent still opens one and works. Sessions do not depend on the backend."""
+    server = Server(["--sqlite", str(tmp_path / "team.sqlite3")], credentials)
+    client = server.client
+    share = tactmem_server.MCP_SESSIONS_PER_TOKEN
+    try:
+        sessions = [mcp_open(client, ALICE) for _ in range(share + 2)]
+        listing = {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}
+        statuses = [mcp_post(client, ALICE, listing, session)[0] for session in sessions]
+        assert statuses == [404, 404] + [200] * share
+        bob = mcp_open(client, BOB)
+        scan = tool_call(3, operation="scan", query="anything at all")
+        assert mcp_post(client, BOB, scan, bob)[0] == 200
+    finally:
+        server.stop()
+    reclaimed = [e for e in _events(server) if e["event"] == "mcp_session_closed"]
+    assert [(e["namespace"], e["reason"]) for e in reclaimed] == [("alice", "token_share")] * 2
+    assert not any(session in "".join(server.lines) for session in sessions)
+
+
+def test_the_session_book_makes_room_least_recently_used_first() -> None:
+    """The bookkeeping behind the bounds, with tiny ones: a token's share, then the process's
+    total, each by least recent use; sessions idle past the SDK's timeout are forgotten."""
+    book = tactmem_server._SessionBook(per_token=2, total=3, idle_s=100)
+    a, b = b"token-a", b"token-b"
+    book.opened("a1", a, 0)
+    book.opened("a2", a, 1)
+    assert book.room(a, 2) == [("a1", "token_share")]
+    book.closed("a1")
+    book.opened("a3", a, 3)
+    book.used("a2", 4)  # now a3 is a's least recently used
+    book.opened("b1", b, 5)
+    assert book.room(b, 6) == [("a3", "process_total")]
+    book.closed("a3")
+    book.opened("b2", b, 7)
+    assert book.room(b, 8) == [("b1", "token_share")]
+    assert book.room(a, 200) == []  # all idle past 100: the SDK closed them, nothing to make
+    assert book.owner("b2") is None
 
 
 # ------------------------------------------------------------------------ NamespaceStore
