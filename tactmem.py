@@ -63,9 +63,9 @@ __all__ = [  # sorted; each is documented in the README
     "RemoteDenied", "RemoteError", "RemoteInvalid", "RemoteKey", "RemoteStore",
     "RemoteUnavailable", "ReviewCheckpoint", "ScanRequired", "ScanResult", "SecretRejected",
     "StorageError", "Store", "StoreBusy", "StoreNotEmpty", "TactmemError", "TeamBackend",
-    "UnsupportedSchema", "find_secret", "load_config", "main", "memory_db_path",
-    "normalized_identity", "preview", "rank", "resolve_config_path", "tokenize",
-    "tool_definition", "with_memory_instructions",
+    "UnsupportedSchema", "export", "find_secret", "load_config", "main", "memory_db_path",
+    "merge", "normalized_identity", "preview", "rank", "resolve_config_path", "restore",
+    "tokenize", "tool_definition", "with_memory_instructions",
 ]  # fmt: skip
 
 # ============================================================================ constants (pure)
@@ -3182,7 +3182,7 @@ def _check_line(
     fields: tuple[tuple[str, ...], tuple[str, ...]],
     checks: Mapping[str, tuple[Callable[[Any], bool], str]],
     what: str,
-    bad: type[TactmemError] = _BadScenario,
+    bad: type[TactmemError],
 ) -> None:
     """Every required field present, no unknown one, each holding what `checks` says."""
     try:
@@ -3203,7 +3203,9 @@ def _parse_scenario(text: str, source: str) -> tuple[Limits, list[_EvalStep]]:
         if not isinstance(kind, str) or kind not in _STEPS:
             raise _BadScenario(f"{where}: step must be one of {', '.join(_STEPS)}")
         required, optional, outcomes = _STEPS[kind]
-        _check_line(where, step, (required, (*optional, "note")), _STEP_FIELDS, f"{kind} step")
+        _check_line(
+            where, step, (required, (*optional, "note")), _STEP_FIELDS, f"{kind} step", _BadScenario
+        )
         if "expect" in step and step["expect"] not in outcomes:
             raise _BadScenario(f"{where}: {kind} step expects an outcome it cannot have")
         if kind == "limits" and steps:
@@ -3332,7 +3334,14 @@ def _parse_paired(text: str, source: str) -> list[tuple[dict[str, Any], dict[str
     runs: dict[str, dict[bool, dict[str, Any]]] = {}
     required = ("task", "memory", "order", "success")
     for where, row in _json_lines(text, source):
-        _check_line(where, row, (required, tuple(_PAIRED_FIELDS)), _PAIRED_FIELDS, "paired run")
+        _check_line(
+            where,
+            row,
+            (required, tuple(_PAIRED_FIELDS)),
+            _PAIRED_FIELDS,
+            "paired run",
+            _BadScenario,
+        )
         pair = runs.setdefault(row["task"], {})
         other = pair.get(not row["memory"])
         if row["memory"] in pair or (other and other["order"] == row["order"]):
@@ -4607,6 +4616,15 @@ _MARK_SCANNED: Final = (
     "UPDATE memories SET last_scanned_at_ms = ?,"
     f" scan_count = MIN(scan_count, {_MAX_SQL_INT - 1}) + 1 WHERE id = ?"
 )
+# A read's telemetry, as `_plan_read` worked it out.
+_MARK_READ: Final = (
+    "UPDATE memories SET last_used_at_ms = ?, use_count = ?, probation_until_ms = ? WHERE id = ?"
+)
+# What a delete reads: the version and the size of the row at the id (NULLs when there is none).
+_DELETE_READS: Final = (
+    "SELECT (SELECT version FROM memories WHERE id = ?),"
+    " (SELECT length(CAST(content AS BLOB)) FROM memories WHERE id = ?)"
+)
 _SQL_CHUNK: Final = 500  # ids bound per `IN (...)`, under every SQLite variable limit
 # What a merge and a restore read for their `_Batch` besides `_TOTALS` and `_NEXT_ID`.
 _IDENTITIES: Final = "SELECT normalized_identity FROM memories"
@@ -5012,6 +5030,50 @@ def _read_batch(connection: sqlite3.Connection) -> _Batch:
     return _Batch(rows, size, next_id, frozenset(row[0] for row in connection.execute(_IDENTITIES)))
 
 
+class _Statistics:
+    """A store's token statistics (`_Corpus`) and what it knows of its side cache at `path`,
+    brought up to date with the rows only when they changed (`PRAGMA data_version`)."""
+
+    def __init__(self, path: str, limits: Limits) -> None:
+        self.path, self.limits = path, limits
+        self.corpus = _Corpus()
+        self.stale = True  # the rows may have changed since `sync` last looked
+        self._data_version = -1
+        self._known: dict[str, _Derived] | None = None  # the side cache's entries, once loaded
+        self._lines = 0  # in the side cache's file
+
+    def sync(self, connection: sqlite3.Connection) -> None:
+        """Bring the token statistics up to date with the rows, re-tokenizing only changes
+        and texts the side cache does not know; tell the cache what was worked out."""
+        (data_version,) = connection.execute("PRAGMA data_version").fetchone()
+        if not self.stale and data_version == self._data_version:
+            return
+        if self._known is None:
+            self._known, self._lines = _load_cache(self.path, self.limits)
+        new = self.corpus.update(connection.execute(_CORPUS_ROWS).fetchall(), self._known)
+        self._data_version = data_version
+        self.stale = False
+        if not new:
+            return
+        self._known.update(new)
+        live = set(self.corpus.digests.values())
+        if self._lines + len(new) > 2 * len(live) + 64:  # mostly dead lines: start over
+            self._known = {digest: self._known[digest] for digest in live}
+            _write_cache(self.path, self._known, rewrite=True)
+            self._lines = len(self._known) + 1
+        else:
+            _write_cache(self.path, new, rewrite=False)
+            self._lines += len(new)
+
+    def forget(self, connection: sqlite3.Connection) -> None:
+        """The side cache called a secret-shaped text clean: delete it, and work out every
+        row's statistics again without it."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        self.corpus, self._known, self._lines, self.stale = _Corpus(), {}, 0, True
+        self.sync(connection)
+
+
 class Store:
     """The memory store at one SQLite file, the default `Backend`. Thread-safe; nothing touches
     disk until the first operation, and only a `TactmemError` ever leaves one. Each operation is
@@ -5024,17 +5086,13 @@ class Store:
         self.limits = limits
         self._lock = threading.Lock()
         self._connection: sqlite3.Connection | None = None
-        self._corpus = _Corpus()
         self._file: tuple[int, int] | None = None
-        self._data_version = -1
         self._schema_cookie = -1  # `PRAGMA schema_version` when the objects were last checked
-        self._stale = True
+        self._statistics = _Statistics(self.path + _CACHE_SUFFIX, limits)
         # The totals as this connection's last commit left them, while no other has committed
         # since (`PRAGMA data_version` still `_seen_version`); None when unknown.
         self._totals: _Totals | None = None
         self._seen_version = -1
-        self._known: dict[str, _Derived] | None = None  # the side cache's entries, once loaded
-        self._cache_lines = 0
         self._made: _Made | None = None  # what this store's first use made, until it commits
 
     def __repr__(self) -> str:
@@ -5055,7 +5113,12 @@ class Store:
         if self._connection is not None:
             self._connection.close()
             self._connection = None
-        self._stale = True
+        self._changed()
+
+    def _changed(self, totals: _Totals | None = None) -> None:
+        """The rows changed (or may have): the statistics are stale; the totals after the
+        change when known."""
+        self._statistics.stale, self._totals = True, totals
 
     # -------------------------------------------------------------------- operations
 
@@ -5071,12 +5134,13 @@ class Store:
         the returned candidates get scan telemetry."""
         terms, floor = _scan_terms(query, self.limits), _check_min_coverage(min_coverage)
         now = _now_ms(now_ms)
+        statistics = self._statistics
         with self._transaction(prune_at=now) as connection:
-            self._sync(connection)
-            plan = _plan_scan(self._corpus, terms, limit, self.limits, floor)
-            if not self._corpus.confirm(plan.scanned):
-                self._forget_the_cache(connection)
-                plan = _plan_scan(self._corpus, terms, limit, self.limits, floor)
+            statistics.sync(connection)
+            plan = _plan_scan(statistics.corpus, terms, limit, self.limits, floor)
+            if not statistics.corpus.confirm(plan.scanned):
+                statistics.forget(connection)
+                plan = _plan_scan(statistics.corpus, terms, limit, self.limits, floor)
             connection.executemany(_MARK_SCANNED, [(now, doc_id) for doc_id in plan.scanned])
         return plan.result
 
@@ -5086,8 +5150,7 @@ class Store:
         with self._transaction(prune_at=now) as connection:
             records = _plan_read(wanted, _records(connection, wanted), now)
             connection.executemany(
-                "UPDATE memories SET last_used_at_ms = ?, use_count = ?, probation_until_ms = ?"
-                " WHERE id = ?",
+                _MARK_READ,
                 [(r.last_used_at_ms, r.use_count, r.probation_until_ms, r.key.id) for r in records],
             )
         return records
@@ -5115,8 +5178,7 @@ class Store:
             else:  # the times, then the telemetry: every field from the third on
                 changed = attrs.astuple(new, recurse=False)[2:]
                 connection.execute(_UPDATE, (*common, *changed, new.key.id))
-            self._stale = True
-            self._totals = totals.after_put(plan, state, put.size)
+            self._changed(totals.after_put(plan, state, put.size))
         return plan.record
 
     def delete(self, key: Key, *, now_ms: int | None = None) -> None:
@@ -5124,15 +5186,10 @@ class Store:
         del now_ms  # delete records no time; the parameter keeps the API uniform
         target = key.id if _addressable(key.id) else None
         with self._transaction() as connection:
-            query = (  # NULLs when there is none
-                "SELECT (SELECT version FROM memories WHERE id = ?),"
-                " (SELECT length(CAST(content AS BLOB)) FROM memories WHERE id = ?)"
-            )
-            version, size = connection.execute(query, (target, target)).fetchone()
+            version, size = connection.execute(_DELETE_READS, (target, target)).fetchone()
             _check_version(key, version)
             connection.execute("DELETE FROM memories WHERE id = ?", (key.id,))
-            self._stale = True
-            self._totals = self._totals and self._totals.after_delete(size)
+            self._changed(self._totals and self._totals.after_delete(size))
 
     def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]:
         """Every visible record by id, without telemetry. Expired probation is pruned first."""
@@ -5140,96 +5197,6 @@ class Store:
             rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
             records = list(map(Record.from_row, rows))
         return tuple(filter(_shown, records))
-
-    def export(self, *, now_ms: int | None = None) -> Export:
-        """The store as an export file: every visible record not expired at `now_ms`, by id.
-        Changes nothing (no telemetry, no prune); a store whose file does not exist yet
-        exports as empty, and still has no file."""
-        now = _now_ms(now_ms)
-        if not os.path.exists(self.path):
-            return _export_file((), 1, self.limits, now, __version__)
-        with self._transaction() as connection:
-            rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
-            records = list(map(Record.from_row, rows))
-            (next_id,) = connection.execute(_NEXT_ID).fetchone()
-        return _export_file(records, next_id, self.limits, now, __version__)
-
-    def merge(self, data: bytes, *, dry_run: bool = False, now_ms: int | None = None) -> Merged:
-        """Merge an export file in one transaction, as Tact's `pull` does (`_plan_merge`):
-        new records get fresh ids, version 1, fresh probation and no telemetry; records whose
-        identity the store or an earlier line holds are skipped. `dry_run` does the same and
-        rolls it back (a store with no file yet is planned as empty, and not created)."""
-        parsed, now = _parse_export(data, self.limits), _now_ms(now_ms)
-        return self._merge_records(parsed.records, dry_run, now)
-
-    def _merge_records(
-        self, records: Sequence[tuple[int, Record]], dry_run: bool, now: int
-    ) -> Merged:
-        """`merge` of checked records, each with the line (or place) an error names."""
-        if dry_run and not os.path.exists(self.path):
-            inserts, skipped = _plan_merge(records, _NEW_STORE, self.limits, now)
-            return Merged(len(inserts), skipped)
-        with self._transaction(prune_at=now, commit=not dry_run) as connection:
-            inserts, skipped = _plan_merge(records, _read_batch(connection), self.limits, now)
-            connection.executemany(
-                _INSERT,
-                [
-                    (new.key.id, new.key.version, new.content, identity, new.created_at_ms,
-                     new.updated_at_ms, new.probation_until_ms)
-                    for new, identity in inserts
-                ],
-            )  # fmt: skip
-            self._stale, self._totals = True, None
-        return Merged(len(inserts), skipped)
-
-    def restore(self, data: bytes, *, now_ms: int | None = None) -> int:
-        """Recreate a backup exactly (`_plan_restore`) in a store that never held a record:
-        ids, versions, times, telemetry, probation and the allocator's next id. Returns the
-        number of records restored."""
-        del now_ms  # a restore records no time; the parameter keeps the API uniform
-        parsed = _parse_export(data, self.limits)
-        with self._transaction() as connection:
-            restored = _plan_restore(parsed.records, _read_batch(connection), self.limits)
-            connection.executemany(
-                _RESTORE,
-                [
-                    (old.key.id, old.key.version, old.content, identity,
-                     *attrs.astuple(old, recurse=False)[2:])
-                    for old, identity in restored
-                ],
-            )  # fmt: skip
-            connection.execute(
-                "UPDATE memory_metadata SET next_id = ? WHERE id = 1", (parsed.next_id,)
-            )
-            self._stale, self._totals = True, None
-        return len(restored)
-
-    def _stats(self, *, now_ms: int | None = None) -> dict[str, Any]:
-        """Usage against every bound (for `tactmem stats`); prunes like `list`."""
-        with self._transaction(prune_at=_now_ms(now_ms)) as connection:
-            rows = connection.execute(
-                f"SELECT COALESCE(length(CAST(content AS BLOB)), 0), {_RECORD_COLUMNS}"
-                " FROM memories"
-            ).fetchall()
-            (pages,) = connection.execute("PRAGMA page_count").fetchone()
-            (page_size,) = connection.execute("PRAGMA page_size").fetchone()
-        path, real = os.path.abspath(self.path), os.path.realpath(self.path)  # and a link's
-        places = dict.fromkeys((path, os.path.dirname(path), real, os.path.dirname(real)))
-        sizes = {}
-        for name, suffix in _FILES.items():  # the main file and its sidecars
-            with contextlib.suppress(OSError):
-                sizes[name] = os.path.getsize(self.path + suffix)
-        return {
-            "path": self.path,
-            "open_to_others": list(filter(_open_to_others, places)),
-            "records": len(rows),
-            "hidden_records": sum(not _shown(Record.from_row(row[1:])) for row in rows),
-            "probation_records": sum(row[-1] is not None for row in rows),
-            "content_bytes": sum(row[0] for row in rows),
-            "database_bytes": pages * page_size,
-            "file_bytes": sizes,
-            "limits": attrs.asdict(self.limits),
-        }
 
     # -------------------------------------------------------------------- plumbing
 
@@ -5244,7 +5211,8 @@ class Store:
             try:
                 connection = self._locked()
                 try:
-                    self._check_file(connection)  # another process may have changed the file
+                    # Another process may have changed the file.
+                    _, self._schema_cookie = _recheck(connection, self._schema_cookie)
                     (data_version,) = connection.execute("PRAGMA data_version").fetchone()
                     if data_version != self._seen_version:  # another connection committed
                         self._totals = None
@@ -5256,86 +5224,45 @@ class Store:
                     if not commit:  # a prune rolled back too
                         self._totals = None
                 except BaseException:
-                    self._stale = True
-                    self._totals = None
+                    self._changed()
                     if connection.in_transaction:  # SQLITE_FULL may have rolled back already
                         connection.execute("ROLLBACK")
                     raise
             except UnicodeDecodeError:  # SQLite's message quoting a schema name that is not UTF-8
                 raise StorageError(_DAMAGED) from None
             except sqlite3.Error as error:
-                failure = _storage_error(error)
-                if isinstance(failure, DatabaseCapacity) and self._disk_is_tighter():
-                    failure = DiskFull()
-                raise failure from None
+                raise _store_error(error, self.path, self.limits) from None
 
     @contextlib.contextmanager
     def _as_it_was(self, *, keep: bool) -> Iterator[None]:
         """Run an operation. When the file did not exist before it, the file and directories
         it made stay only if it succeeds and is kept (`keep`: not a dry run); otherwise they
         are taken away (`_unmake`), so a failed first use leaves the file system as it was."""
+        kept = False
         try:
             yield
-        except BaseException:
-            self._unmake()
-            raise
-        if keep:
-            self._made = None
-        else:
-            self._unmake()
-
-    def _unmake(self) -> None:
-        made, self._made = self._made, None
-        if made is not None:
-            self._close_connection()
-            _unmake(made, self.limits)
-
-    def _disk_is_tighter(self) -> bool:
-        """Whether the file system has less room than the page budget still allows: then it,
-        not the budget, is what SQLITE_FULL ran into."""
-        try:
-            room = os.statvfs(os.path.dirname(os.path.abspath(self.path)))
-            allowed = self.limits.database_bytes - os.path.getsize(self.path)
-        except OSError:
-            return False
-        return room.f_bavail * room.f_frsize < allowed
+            kept = keep
+        finally:
+            made, self._made = self._made, None
+            if made is not None and not kept:
+                self._close_connection()
+                _unmake(made, self.limits)
 
     def _connect(self) -> sqlite3.Connection:
         """The open connection, or a new one if there is none or the file was replaced."""
         if self._connection is not None:
             if _file_identity(self.path) == self._file:
                 return self._connection
-            self._connection.close()
-            self._connection = None
+            self._close_connection()
         made = _prepare_file(self.path)
         if made.directories or made.file:  # a first use: undone if it fails (`_as_it_was`)
             self._made = made
         _inspect(self.path, self.limits)
         identity = _file_identity(self.path)  # taken first: a file replaced after it is reopened
-        connection = _open(self.path, self.limits, isolation_level=None, check_same_thread=False)
-        self._schema_cookie = -1  # a new connection, perhaps to another file: check it all
-        self._totals, self._seen_version = None, -1
-        try:
-            self._check_file(connection)  # before anything writes: a refused file stays as it was
-            connection.execute("PRAGMA journal_mode = DELETE")
-            connection.execute(f"PRAGMA page_size = {_PAGE_SIZE_BYTES}")
-            (page_size,) = connection.execute("PRAGMA page_size").fetchone()
-            connection.execute(f"PRAGMA max_page_count = {_max_pages(self.limits, page_size)}")
-            connection.execute("PRAGMA secure_delete = ON")
-            _begin_immediate(connection)
-            found = self._check_file(connection)  # another process may have got there first
-            for statement in _SCHEMA:
-                connection.execute(statement)
-            if found == 0:
-                connection.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
-            connection.execute("COMMIT")
-        except BaseException:
-            connection.close()
-            raise
-        self._connection = connection
-        self._file = identity
-        self._stale = True
-        return connection
+        self._connection, self._schema_cookie = _connected(self.path, self.limits)
+        self._file, self._seen_version = identity, -1
+        self._changed()
+        return self._connection
 
     def _locked(self) -> sqlite3.Connection:
         """The connection in `BEGIN IMMEDIATE`, on the file now at the path: one removed or
@@ -5350,16 +5277,6 @@ class Store:
             _begin_immediate(connection)
         return connection
 
-    def _check_file(self, connection: sqlite3.Connection) -> int:
-        """The file's `user_version`, the whole file checked again (`_check_file`) whenever its
-        schema changed since this connection last looked."""
-        (cookie,) = connection.execute("PRAGMA schema_version").fetchone()
-        if cookie == self._schema_cookie:
-            return _schema_version(connection)
-        found = _check_file(connection)
-        self._schema_cookie = cookie
-        return found
-
     def _prune(self, connection: sqlite3.Connection, now_ms: int) -> None:
         """Drop what `_expired` names, passing over the rows only when the totals are unknown
         or say a probation may have ended; the totals are known after."""
@@ -5369,40 +5286,146 @@ class Store:
         expired = [(doc_id,) for doc_id, uses, until in rows if _expired(uses, until, now_ms)]
         if expired:
             connection.executemany("DELETE FROM memories WHERE id = ?", expired)
-            self._stale = True
+            self._statistics.stale = True
         self._totals = _Totals(*connection.execute(_TOTALS).fetchone())
 
-    def _forget_the_cache(self, connection: sqlite3.Connection) -> None:
-        """The side cache called a secret-shaped text clean: delete it, and work out every
-        row's statistics again without it."""
-        with contextlib.suppress(OSError):
-            os.unlink(self.path + _CACHE_SUFFIX)
-        self._corpus, self._known, self._cache_lines, self._stale = _Corpus(), {}, 0, True
-        self._sync(connection)
 
-    def _sync(self, connection: sqlite3.Connection) -> None:
-        """Bring the token statistics up to date with the rows, re-tokenizing only changes
-        and texts the side cache does not know; tell the cache what was worked out."""
-        (data_version,) = connection.execute("PRAGMA data_version").fetchone()
-        if not self._stale and data_version == self._data_version:
-            return
-        path = self.path + _CACHE_SUFFIX
-        if self._known is None:
-            self._known, self._cache_lines = _load_cache(path, self.limits)
-        new = self._corpus.update(connection.execute(_CORPUS_ROWS).fetchall(), self._known)
-        self._data_version = data_version
-        self._stale = False
-        if not new:
-            return
-        self._known.update(new)
-        live = set(self._corpus.digests.values())
-        if self._cache_lines + len(new) > 2 * len(live) + 64:  # mostly dead lines: start over
-            self._known = {digest: self._known[digest] for digest in live}
-            _write_cache(path, self._known, rewrite=True)
-            self._cache_lines = len(self._known) + 1
-        else:
-            _write_cache(path, new, rewrite=False)
-            self._cache_lines += len(new)
+def _recheck(connection: sqlite3.Connection, cookie: int) -> tuple[int, int]:
+    """The file's `user_version` and `PRAGMA schema_version`, the whole file checked again
+    (`_check_file`) only when its schema changed since `cookie`."""
+    (now,) = connection.execute("PRAGMA schema_version").fetchone()
+    return (_schema_version(connection) if now == cookie else _check_file(connection)), now
+
+
+def _connected(path: str, limits: Limits) -> tuple[sqlite3.Connection, int]:
+    """A new connection to the checked file at `path`, its pragmas set and its schema made, and
+    the `PRAGMA schema_version` at which its objects were last checked."""
+    connection = _open(path, limits, isolation_level=None, check_same_thread=False)
+    try:
+        # Checked before anything writes: a refused file stays as it was.
+        _, cookie = _recheck(connection, -1)
+        connection.execute("PRAGMA journal_mode = DELETE")
+        connection.execute(f"PRAGMA page_size = {_PAGE_SIZE_BYTES}")
+        (page_size,) = connection.execute("PRAGMA page_size").fetchone()
+        connection.execute(f"PRAGMA max_page_count = {_max_pages(limits, page_size)}")
+        connection.execute("PRAGMA secure_delete = ON")
+        _begin_immediate(connection)
+        found, cookie = _recheck(connection, cookie)  # another process may have got there first
+        for statement in _SCHEMA:
+            connection.execute(statement)
+        if found == 0:
+            connection.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+        connection.execute("COMMIT")
+    except BaseException:
+        connection.close()
+        raise
+    return connection, cookie
+
+
+def _store_error(error: sqlite3.Error, path: str, limits: Limits) -> TactmemError:
+    """A store operation's SQLite failure (`_storage_error`): SQLITE_FULL is the disk, not the
+    page budget, when the file system has less room than the budget still allows."""
+    failure = _storage_error(error)
+    if not isinstance(failure, DatabaseCapacity):
+        return failure
+    try:
+        room = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        allowed = limits.database_bytes - os.path.getsize(path)
+    except OSError:
+        return failure
+    return DiskFull() if room.f_bavail * room.f_frsize < allowed else failure
+
+
+def _stats(store: Store, *, now_ms: int | None = None) -> dict[str, Any]:
+    """Usage against every bound (for `tactmem stats`); prunes like `list`."""
+    with store._transaction(prune_at=_now_ms(now_ms)) as connection:
+        rows = connection.execute(
+            f"SELECT COALESCE(length(CAST(content AS BLOB)), 0), {_RECORD_COLUMNS} FROM memories"
+        ).fetchall()
+        (pages,) = connection.execute("PRAGMA page_count").fetchone()
+        (page_size,) = connection.execute("PRAGMA page_size").fetchone()
+    path, real = os.path.abspath(store.path), os.path.realpath(store.path)  # and a link's
+    places = dict.fromkeys((path, os.path.dirname(path), real, os.path.dirname(real)))
+    sizes = {}
+    for name, suffix in _FILES.items():  # the main file and its sidecars
+        with contextlib.suppress(OSError):
+            sizes[name] = os.path.getsize(store.path + suffix)
+    return {
+        "path": store.path,
+        "open_to_others": list(filter(_open_to_others, places)),
+        "records": len(rows),
+        "hidden_records": sum(not _shown(Record.from_row(row[1:])) for row in rows),
+        "probation_records": sum(row[-1] is not None for row in rows),
+        "content_bytes": sum(row[0] for row in rows),
+        "database_bytes": pages * page_size,
+        "file_bytes": sizes,
+        "limits": attrs.asdict(store.limits),
+    }
+
+
+def export(store: Store, *, now_ms: int | None = None) -> Export:
+    """`store` as an export file: every visible record not expired at `now_ms`, by id.
+    Changes nothing (no telemetry, no prune); a store whose file does not exist yet
+    exports as empty, and still has no file."""
+    now = _now_ms(now_ms)
+    if not os.path.exists(store.path):
+        return _export_file((), 1, store.limits, now, __version__)
+    with store._transaction() as connection:
+        rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
+        records = list(map(Record.from_row, rows))
+        (next_id,) = connection.execute(_NEXT_ID).fetchone()
+    return _export_file(records, next_id, store.limits, now, __version__)
+
+
+def merge(store: Store, data: bytes, *, dry_run: bool = False, now_ms: int | None = None) -> Merged:
+    """Merge an export file into `store` in one transaction, as Tact's `pull` does (`_plan_merge`):
+    new records get fresh ids, version 1, fresh probation and no telemetry; records whose
+    identity the store or an earlier line holds are skipped. `dry_run` does the same and
+    rolls it back (a store with no file yet is planned as empty, and not created)."""
+    parsed, now = _parse_export(data, store.limits), _now_ms(now_ms)
+    return _merge_records(store, parsed.records, dry_run, now)
+
+
+def _merge_records(
+    store: Store, records: Sequence[tuple[int, Record]], dry_run: bool, now: int
+) -> Merged:
+    """`merge` of checked records, each with the line (or place) an error names."""
+    if dry_run and not os.path.exists(store.path):
+        inserts, skipped = _plan_merge(records, _NEW_STORE, store.limits, now)
+        return Merged(len(inserts), skipped)
+    with store._transaction(prune_at=now, commit=not dry_run) as connection:
+        inserts, skipped = _plan_merge(records, _read_batch(connection), store.limits, now)
+        connection.executemany(
+            _INSERT,
+            [
+                (new.key.id, new.key.version, new.content, identity, new.created_at_ms,
+                 new.updated_at_ms, new.probation_until_ms)
+                for new, identity in inserts
+            ],
+        )  # fmt: skip
+        store._changed()
+    return Merged(len(inserts), skipped)
+
+
+def restore(store: Store, data: bytes, *, now_ms: int | None = None) -> int:
+    """Recreate a backup exactly (`_plan_restore`) in `store`, which must never have held a record:
+    ids, versions, times, telemetry, probation and the allocator's next id. Returns the
+    number of records restored."""
+    del now_ms  # a restore records no time; the parameter keeps the API uniform
+    parsed = _parse_export(data, store.limits)
+    with store._transaction() as connection:
+        restored = _plan_restore(parsed.records, _read_batch(connection), store.limits)
+        connection.executemany(
+            _RESTORE,
+            [
+                (old.key.id, old.key.version, old.content, identity,
+                 *attrs.astuple(old, recurse=False)[2:])
+                for old, identity in restored
+            ],
+        )  # fmt: skip
+        connection.execute("UPDATE memory_metadata SET next_id = ? WHERE id = 1", (parsed.next_id,))
+        store._changed()
+    return len(restored)
 
 
 # ------------------------------------------------------------------------ the memory tool
@@ -5602,8 +5625,8 @@ def _remote_config(path: str, memory: Mapping[str, Any]) -> RemoteConfig | None:
     roots = tuple(
         os.path.join(base, os.path.expanduser(root)) for root in remote["workspace_roots"]
     )
-    store = RemoteStore(remote["endpoint"], remote["namespace"], remote["bearer_token"])  # checks
-    return RemoteConfig(store.endpoint, store.namespace, remote["bearer_token"], roots)
+    endpoint, namespace = _check_endpoint(remote["endpoint"]), _check_namespace(remote["namespace"])
+    return RemoteConfig(endpoint, namespace, _check_token(remote["bearer_token"]), roots)
 
 
 def _check_private(path: str) -> None:
@@ -5702,6 +5725,15 @@ def _check_endpoint(endpoint: str) -> str:
     return endpoint if endpoint.endswith("/") else endpoint + "/"
 
 
+def _check_token(token: object) -> str:
+    if not isinstance(token, str) or not _REMOTE_TOKEN.fullmatch(token):
+        raise ConfigError(
+            "remote memory bearer token must be 1 to 4096 characters,"
+            " each a letter, a digit or one of - . _ ~ + / ="
+        )
+    return token
+
+
 class _NotConnected(Exception):
     """The connection could not be opened: nothing was sent, so any request may try again."""
 
@@ -5785,13 +5817,8 @@ class RemoteStore:
     ) -> None:  # fmt: skip
         self.endpoint = _check_endpoint(endpoint)
         self.namespace = _check_namespace(namespace)
-        if not isinstance(bearer_token, str) or not _REMOTE_TOKEN.fullmatch(bearer_token):
-            raise ConfigError(
-                "remote memory bearer token must be 1 to 4096 characters,"
-                " each a letter, a digit or one of - . _ ~ + / ="
-            )
+        self._token = _check_token(bearer_token)
         self.limits = _DEFAULT_LIMITS  # the protocol's bounds, per namespace
-        self._token = bearer_token
         self._timeouts = (connect_timeout_s, timeout_s)
         self._lock = threading.Lock()
         self._bookmark: str | None = None
@@ -6511,7 +6538,7 @@ class _Scenario:
             self.source, tuple(self.scans), tuple(self.missed), dict(self.counts), telemetry,
             {name: tuple(times) for name, times in self.latency_ms.items()},
             {name: tuple(sizes) for name, sizes in self.answer_bytes.items()},
-            self.store._stats(now_ms=self.now)["file_bytes"],
+            _stats(self.store, now_ms=self.now)["file_bytes"],
             {point: tuple(scans) for point, scans in self.swept.items()},
         )  # fmt: skip
 
@@ -6606,7 +6633,9 @@ class _Scenario:
         self.scans.append(_ScanOutcome(self.source, category, relevant, returned))
         limits, terms = self.store.limits, _query_terms(query)  # the query is checked already
         for point in self.sweep:  # what a scan at each point would return, without telemetry
-            plan = _plan_scan(self.store._corpus, terms, limits.scan_results, limits, point)
+            plan = _plan_scan(
+                self.store._statistics.corpus, terms, limits.scan_results, limits, point
+            )
             self.swept[point].append(_ScanOutcome(self.source, category, relevant, plan.scanned))
 
     def stored(self, doc_id: int) -> bool:
@@ -7013,7 +7042,7 @@ def _list_command(store: Backend, arguments: argparse.Namespace, _: Config | Non
 
 
 def _stats_command(store: Store, arguments: argparse.Namespace, config: Config | None) -> None:
-    stats = store._stats()
+    stats = _stats(store)
     stats["config"] = None if config is None else config.path
     stats["memory_enabled"] = None if config is None else config.memory_enabled
     if arguments.json:
@@ -7082,29 +7111,29 @@ def _export_command(store: Store, arguments: argparse.Namespace, _: Config | Non
     with contextlib.suppress(OSError, ValueError):  # no such file: it cannot be the database
         if arguments.file != "-" and os.path.samefile(arguments.file, store.path):
             raise InvalidRequest("the export file named is the database itself")
-    export = store.export()
+    backup = export(store)
     if arguments.file == "-":
         sys.stdout.flush()
         if hasattr(sys.stdout, "buffer"):
-            sys.stdout.buffer.write(export.data)
+            sys.stdout.buffer.write(backup.data)
         else:  # standard output was replaced by a text stream
-            sys.stdout.write(export.data.decode())
+            sys.stdout.write(backup.data.decode())
     else:
-        _write_private(arguments.file, export.data)
-        summary = attrs.asdict(export, filter=lambda field, _: field.name != "data")
-        counts = f"{export.records} records ({export.content_bytes} content bytes)"
+        _write_private(arguments.file, backup.data)
+        summary = attrs.asdict(backup, filter=lambda field, _: field.name != "data")
+        counts = f"{backup.records} records ({backup.content_bytes} content bytes)"
         print(_json(summary) if arguments.json else f"exported {counts}")
-    if export.hidden or export.expired:
+    if backup.hidden or backup.expired:
         print(
-            f"tactmem: warning: left out {export.hidden} hidden records (secret-shaped or"
-            f" malformed) and {export.expired} whose probation has ended",
+            f"tactmem: warning: left out {backup.hidden} hidden records (secret-shaped or"
+            f" malformed) and {backup.expired} whose probation has ended",
             file=sys.stderr,
         )
 
 
 def _import_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
     """`import FILE|- [--dry-run]`: merge, and say how many records were inserted and skipped."""
-    merged = store.merge(_read_export(arguments.file, store.limits), dry_run=arguments.dry_run)
+    merged = merge(store, _read_export(arguments.file, store.limits), dry_run=arguments.dry_run)
     if arguments.json:
         print(_json({**attrs.asdict(merged), "dry_run": arguments.dry_run}))
         return
@@ -7113,7 +7142,7 @@ def _import_command(store: Store, arguments: argparse.Namespace, _: Config | Non
 
 
 def _restore_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
-    restored = store.restore(_read_export(arguments.file, store.limits))
+    restored = restore(store, _read_export(arguments.file, store.limits))
     print(_json({"restored": restored}) if arguments.json else f"restored {restored} records")
 
 
@@ -7348,7 +7377,7 @@ def _pull_command(store: Store, arguments: argparse.Namespace, config: Config | 
         links, pending = file.load(store.list())
         now = _now_ms()
         file.save(links, pending=pending, pulled=(now, pulled))
-        merged = store._merge_records(list(enumerate(records, 1)), False, now)
+        merged = _merge_records(store, list(enumerate(records, 1)), False, now)
         file.save([*links, *_pull_links(store.list(), pulled, links, now)], pending=pending)
     if arguments.json:
         print(_json({"fetched": len(records), **attrs.asdict(merged)}))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import itertools
 import json
@@ -1275,7 +1276,7 @@ class StoreMatchesModel(RuleBasedStateMachine):
         the allocator, and exports the same bytes; merged into another new store, the same
         contents get fresh keys."""
         now = self.model.now
-        backup = self.stores[agent].export(now_ms=now)
+        backup = tactmem.export(self.stores[agent], now_ms=now)
         live = [row for _, row in sorted(self.model.pruned().items()) if self.model.visible(row)]
         assert (backup.records, backup.next_id) == (len(live), self.model.last_id + 1)
         event(f"exported {len(live)} of {len(self.model.rows)} rows")
@@ -1283,13 +1284,15 @@ class StoreMatchesModel(RuleBasedStateMachine):
             restored = Store(os.path.join(directory, "restored.sqlite3"), limits=TINY)
             merged = Store(os.path.join(directory, "merged.sqlite3"), limits=TINY)
             with restored, merged:
-                assert restored.restore(backup.data) == len(live)
+                assert tactmem.restore(restored, backup.data) == len(live)
                 assert restored.list(now_ms=now) == tuple(live)
-                assert restored.export(now_ms=now).data == backup.data
+                assert tactmem.export(restored, now_ms=now).data == backup.data
                 with raw(Path(restored.path)) as connection:
                     allocator = connection.execute("SELECT next_id FROM memory_metadata")
                     assert allocator.fetchone() == (self.model.last_id + 1,)
-                assert merged.merge(backup.data, now_ms=now) == tactmem.Merged(len(live), 0)
+                assert tactmem.merge(merged, backup.data, now_ms=now) == tactmem.Merged(
+                    len(live), 0
+                )
                 fresh = merged.list(now_ms=now)
                 assert [record.content for record in fresh] == [row.content for row in live]
                 assert [record.key for record in fresh] == [
@@ -2079,7 +2082,7 @@ def test_hostile_files_are_refused_untouched_or_served_safely(
                     refusals = ("storage_error", "unsupported_schema", "scan_required")
                     assert answer["error"]["code"] in refusals
                 event("answer: " + answer.get("error", {}).get("code", answer.get("operation", "")))
-            for operation in (store.list, store._stats):
+            for operation in (store.list, functools.partial(tactmem._stats, store)):
                 if refused:
                     with pytest.raises((tactmem.StorageError, tactmem.UnsupportedSchema)):
                         operation()
@@ -2087,7 +2090,7 @@ def test_hostile_files_are_refused_untouched_or_served_safely(
                     json.dumps(tactmem._to_json(operation()))
             if not refused:
                 assert all(map(tactmem._shown, store.list()))
-                event(f"rows hidden: {store._stats()['hidden_records'] > 0}")
+                event(f"rows hidden: {tactmem._stats(store)['hidden_records'] > 0}")
         if refused:
             assert path.read_bytes() == before
             return

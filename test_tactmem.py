@@ -719,8 +719,8 @@ def test_side_cache_serves_a_fresh_store_the_same_ranking(db: Path) -> None:
     assert {entry[0] for entry in entries} == {tactmem._digest(text) for text in CACHE_TEXTS}
     with Store(db) as fresh:
         assert cards(fresh, "release train") == first
-        assert fresh._corpus.unconfirmed == set()  # both cards were checked for secrets
-        assert set(fresh._corpus.digests) == {1, 2}
+        assert fresh._statistics.corpus.unconfirmed == set()  # both cards were checked for secrets
+        assert set(fresh._statistics.corpus.digests) == {1, 2}
     assert len(cache_lines(db)) == 3  # nothing new was worked out, so nothing was added
 
 
@@ -735,7 +735,10 @@ def test_side_cache_takes_in_what_later_scans_work_out(db: Path) -> None:
     assert [entry[0] for entry in cache_lines(db)[1:]] == list(map(tactmem._digest, CACHE_TEXTS))
     with Store(db) as fresh:
         assert fresh.scan("nowhere", now_ms=1).abstained
-        assert fresh._corpus.unconfirmed == {1, 2}  # both taken from the cache, neither shown
+        assert fresh._statistics.corpus.unconfirmed == {
+            1,
+            2,
+        }  # both taken from the cache, neither shown
         assert cards(fresh, "release train") == first
 
 
@@ -768,7 +771,7 @@ def test_side_cache_of_another_unicode_database_is_ignored(
     try:
         with Store(db) as fresh:
             assert fresh.scan("nowhere", now_ms=1).abstained
-            assert fresh._corpus.unconfirmed == set()  # worked out anew
+            assert fresh._statistics.corpus.unconfirmed == set()  # worked out anew
     finally:
         monkeypatch.undo()
         tactmem._cache_header.cache_clear()
@@ -980,7 +983,7 @@ def test_a_foreign_row_with_empty_content_is_hidden(tiny: Store, db: Path, conte
     doc_id = insert_raw(db, content)
     assert tiny.read([doc_id], now_ms=1) == ()
     assert tiny.list(now_ms=1) == ()
-    assert tiny._stats(now_ms=1)["hidden_records"] == 1
+    assert tactmem._stats(tiny, now_ms=1)["hidden_records"] == 1
 
 
 def test_ref14_pragmas(tiny: Store, db: Path) -> None:
@@ -2162,7 +2165,7 @@ def test_python_m_tactmem_in_a_subprocess(tmp_path: Path) -> None:
 
 
 # ============================================================================ export and restore
-# SPEC §7 and issue 15: `Store.export`, `merge` and `restore` and their commands. Every refusal
+# SPEC §7 and issue 15: `tactmem.export`, `merge` and `restore` and their commands. Every refusal
 # is checked to leave the database file byte for byte as it was.
 
 EXPORT_NOW = 10_000
@@ -2226,19 +2229,19 @@ def wall_clock_ms() -> int:
 
 def test_export_restore_export_is_byte_identical(tmp_path: Path) -> None:
     source = used_store(tmp_path / "source.sqlite3")
-    backup = source.export(now_ms=EXPORT_NOW)
+    backup = tactmem.export(source, now_ms=EXPORT_NOW)
     assert (backup.records, backup.next_id, backup.hidden, backup.expired) == (3, 5, 0, 0)
     target = Store(tmp_path / "restored" / "v1.sqlite3")
-    assert target.restore(backup.data) == 3
+    assert tactmem.restore(target, backup.data) == 3
     assert rows_of(tmp_path / "restored" / "v1.sqlite3") == rows_of(tmp_path / "source.sqlite3")
-    assert target.export(now_ms=EXPORT_NOW).data == backup.data
+    assert tactmem.export(target, now_ms=EXPORT_NOW).data == backup.data
     assert target.put("After the restore.", now_ms=EXPORT_NOW).key == Key(5, 1)  # not 4: deleted
     assert target.list(now_ms=EXPORT_NOW)[0].key == Key(1, 2)  # a key held before still works
 
 
 def test_export_is_the_reference_record_json_after_a_manifest(tmp_path: Path) -> None:
     store = used_store(tmp_path / "m.sqlite3")
-    backup = store.export(now_ms=EXPORT_NOW)
+    backup = tactmem.export(store, now_ms=EXPORT_NOW)
     manifest, *records = export_lines(backup.data)
     assert manifest == {
         "format": "tactmem-export", "format_version": 1, "tactmem_version": tactmem.__version__,
@@ -2254,7 +2257,7 @@ def test_export_is_the_reference_record_json_after_a_manifest(tmp_path: Path) ->
     assert records[1]["key"] == {"id": 2, "version": 1} and records[1]["use_count"] == 1
     assert records[0]["key"] == {"id": 1, "version": 2} and records[0]["created_at_ms"] == 1
     assert backup.data.endswith(b"\n") and b"\n\n" not in backup.data
-    assert store.export(now_ms=EXPORT_NOW).data == backup.data  # deterministic
+    assert tactmem.export(store, now_ms=EXPORT_NOW).data == backup.data  # deterministic
 
 
 def test_export_changes_nothing_and_leaves_out_hidden_and_expired_rows(db: Path) -> None:
@@ -2264,30 +2267,32 @@ def test_export_changes_nothing_and_leaves_out_hidden_and_expired_rows(db: Path)
     store.put("unread", now_ms=3)  # probation ends at 13
     insert_raw(db, "password=w")  # hidden
     before = db.read_bytes()
-    backup = store.export(now_ms=20)
+    backup = tactmem.export(store, now_ms=20)
     assert db.read_bytes() == before  # no telemetry, no prune, nothing written
     assert (backup.records, backup.hidden, backup.expired) == (1, 1, 1)
     assert [r["content"] for r in export_lines(backup.data)[1:]] == ["kept"]
     assert b"password" not in backup.data
-    assert store.export(now_ms=12).records == 2  # before the deadline, the unread one is live
+    assert (
+        tactmem.export(store, now_ms=12).records == 2
+    )  # before the deadline, the unread one is live
 
 
 def test_a_store_without_a_file_exports_empty_and_stays_without_one(db: Path) -> None:
-    backup = Store(db, limits=TINY).export(now_ms=1)
+    backup = tactmem.export(Store(db, limits=TINY), now_ms=1)
     assert (backup.records, backup.next_id) == (0, 1)
     assert export_lines(backup.data)[0]["sha256"] == sha256(b"")
     assert not db.exists() and not db.parent.exists()
-    assert Store(db, limits=TINY).merge(backup.data, dry_run=True) == tactmem.Merged(0, 0)
+    assert tactmem.merge(Store(db, limits=TINY), backup.data, dry_run=True) == tactmem.Merged(0, 0)
     assert not db.exists()
 
 
 def test_import_merges_new_records_with_fresh_keys_and_skips_equivalents(tmp_path: Path) -> None:
-    backup = used_store(tmp_path / "source.sqlite3").export(now_ms=EXPORT_NOW).data
+    backup = tactmem.export(used_store(tmp_path / "source.sqlite3"), now_ms=EXPORT_NOW).data
     target = Store(tmp_path / "target.sqlite3")
     for text in ("gone", "gone too"):
         target.delete(target.put(text, now_ms=1).key)  # ids 1 and 2 are retired
     target.put("the user PREFERS small,   reviewable commits.", now_ms=1)  # id 3
-    merged = target.merge(backup, now_ms=EXPORT_NOW)
+    merged = tactmem.merge(target, backup, now_ms=EXPORT_NOW)
     assert merged == tactmem.Merged(inserted=2, skipped=1)
     records = target.list(now_ms=EXPORT_NOW)
     assert [record.key for record in records] == [Key(3, 1), Key(4, 1), Key(5, 1)]
@@ -2306,12 +2311,12 @@ def test_import_merges_new_records_with_fresh_keys_and_skips_equivalents(tmp_pat
     assert {r.content for r in records[1:]} == source - {
         "The user prefers small, reviewable commits."
     }
-    assert target.merge(backup, now_ms=EXPORT_NOW) == tactmem.Merged(0, 3)  # idempotent
+    assert tactmem.merge(target, backup, now_ms=EXPORT_NOW) == tactmem.Merged(0, 3)  # idempotent
 
 
 def test_puts_after_a_merge_or_restore_count_what_it_added(tmp_path: Path) -> None:
     """The store's own totals (issue 16) take in the batch: the next put meets every bound."""
-    backup = used_store(tmp_path / "source.sqlite3").export(now_ms=EXPORT_NOW).data
+    backup = tactmem.export(used_store(tmp_path / "source.sqlite3"), now_ms=EXPORT_NOW).data
     limits = attrs.evolve(Limits(), records=4)
     for name, add in (("merged", "merge"), ("restored", "restore")):
         with Store(tmp_path / f"{name}.sqlite3", limits=limits) as store:
@@ -2320,7 +2325,7 @@ def test_puts_after_a_merge_or_restore_count_what_it_added(tmp_path: Path) -> No
                 store.delete(Key(1, 1))
                 store.close()
                 os.unlink(tmp_path / f"{name}.sqlite3")
-            getattr(store, add)(backup, now_ms=EXPORT_NOW)
+            getattr(tactmem, add)(store, backup, now_ms=EXPORT_NOW)
             assert len(store.list(now_ms=EXPORT_NOW)) == 4 - (add == "restore")
             if add == "restore":
                 store.put("one more fits", now_ms=EXPORT_NOW)
@@ -2329,16 +2334,16 @@ def test_puts_after_a_merge_or_restore_count_what_it_added(tmp_path: Path) -> No
 
 
 def test_a_dry_run_reports_what_the_import_does_and_writes_nothing(tmp_path: Path) -> None:
-    backup = used_store(tmp_path / "source.sqlite3").export(now_ms=EXPORT_NOW).data
+    backup = tactmem.export(used_store(tmp_path / "source.sqlite3"), now_ms=EXPORT_NOW).data
     db, limits = tmp_path / "target.sqlite3", attrs.evolve(TINY, content_bytes=60, records=3)
     with Store(db, limits=limits) as store:
         store.put("expired", now_ms=1)  # a prune: rolled back with the rest, but counted
         store.put("the user prefers small, reviewable commits.", now_ms=EXPORT_NOW)
     before = db.read_bytes()
     with Store(db, limits=attrs.evolve(limits, total_content_bytes=200)) as store:
-        planned = store.merge(backup, dry_run=True, now_ms=EXPORT_NOW)
+        planned = tactmem.merge(store, backup, dry_run=True, now_ms=EXPORT_NOW)
         assert db.read_bytes() == before
-        assert store.merge(backup, now_ms=EXPORT_NOW) == planned == tactmem.Merged(2, 1)
+        assert tactmem.merge(store, backup, now_ms=EXPORT_NOW) == planned == tactmem.Merged(2, 1)
     assert db.read_bytes() != before
 
 
@@ -2353,10 +2358,12 @@ def test_an_import_past_the_page_budget_writes_nothing(tmp_path: Path) -> None:
     before = db.read_bytes()
     for dry_run in (True, False):
         with pytest.raises(DatabaseCapacity):
-            small.merge(backup, dry_run=dry_run, now_ms=2)
+            tactmem.merge(small, backup, dry_run=dry_run, now_ms=2)
         assert db.read_bytes() == before
     with pytest.raises(DatabaseCapacity):
-        Store(tmp_path / "new.sqlite3", limits=Limits(database_bytes=8 * 4096)).restore(backup)
+        tactmem.restore(
+            Store(tmp_path / "new.sqlite3", limits=Limits(database_bytes=8 * 4096)), backup
+        )
     assert [r.content for r in small.list(now_ms=2)] == ["already here"]
 
 
@@ -2371,30 +2378,34 @@ SMALL_PAGES = Limits(database_bytes=8 * 4096)
 # The first use of a store that fails, on every path a failure can take: refused before the
 # store is opened, while it is planned, while it is written, while the file is made.
 FAILED_FIRST_USES: dict[str, Callable[[Path], object]] = {
-    "restore of a secret": lambda db: Store(db).restore(
-        holding(RECORD | {"content": "password=hunter2hunter2"})
+    "restore of a secret": lambda db: tactmem.restore(
+        Store(db), holding(RECORD | {"content": "password=hunter2hunter2"})
     ),
-    "restore of a duplicate": lambda db: Store(db).restore(
-        holding(RECORD, RECORD | {"key": {"id": 2, "version": 1}, "content": "A  FACT"}, next_id=3)
+    "restore of a duplicate": lambda db: tactmem.restore(
+        Store(db),
+        holding(RECORD, RECORD | {"key": {"id": 2, "version": 1}, "content": "A  FACT"}, next_id=3),
     ),
-    "restore of a hostile file": lambda db: Store(db).restore(b"not an export\n"),
-    "import of a secret": lambda db: Store(db).merge(
-        holding(RECORD | {"content": "password=hunter2hunter2"})
+    "restore of a hostile file": lambda db: tactmem.restore(Store(db), b"not an export\n"),
+    "import of a secret": lambda db: tactmem.merge(
+        Store(db), holding(RECORD | {"content": "password=hunter2hunter2"})
     ),
-    "import past the record bound": lambda db: Store(db, limits=TINY).merge(
+    "import past the record bound": lambda db: tactmem.merge(
+        Store(db, limits=TINY),
         tactmem._export_file(
             [attrs.evolve(record, content=f"fact {record.key.id}") for record in FILLER[:5]],
             6,
             TINY,
             1,
             tactmem.__version__,
-        ).data
+        ).data,
     ),
-    "restore past the page budget": lambda db: Store(db, limits=SMALL_PAGES).restore(
-        tactmem._export_file(FILLER, 61, Limits(), 1, tactmem.__version__).data
+    "restore past the page budget": lambda db: tactmem.restore(
+        Store(db, limits=SMALL_PAGES),
+        tactmem._export_file(FILLER, 61, Limits(), 1, tactmem.__version__).data,
     ),
-    "import past the page budget": lambda db: Store(db, limits=SMALL_PAGES).merge(
-        tactmem._export_file(FILLER, 61, Limits(), 1, tactmem.__version__).data
+    "import past the page budget": lambda db: tactmem.merge(
+        Store(db, limits=SMALL_PAGES),
+        tactmem._export_file(FILLER, 61, Limits(), 1, tactmem.__version__).data,
     ),
     "a put of a secret": lambda db: Store(db).put("password=hunter2hunter2"),
     "a page budget smaller than the schema": lambda db: Store(
@@ -2493,12 +2504,12 @@ def test_plan_restore_needs_a_store_that_never_held_a_record() -> None:
 
 
 def test_restore_refuses_a_store_that_holds_or_held_records(db: Path) -> None:
-    backup = used_store(db.parent / "source.sqlite3").export(now_ms=EXPORT_NOW).data
+    backup = tactmem.export(used_store(db.parent / "source.sqlite3"), now_ms=EXPORT_NOW).data
     store = Store(db)
     store.delete(store.put("once here", now_ms=1).key)
     before = db.read_bytes()
     with pytest.raises(tactmem.StoreNotEmpty) as caught:
-        store.restore(backup)
+        tactmem.restore(store, backup)
     assert caught.value.code == "store_not_empty" and db.read_bytes() == before
 
 
@@ -2529,7 +2540,7 @@ def test_every_counter_and_id_stays_a_64_bit_integer_at_its_edge(db: Path) -> No
     edge = Record(Key(MOST - 1, MOST), "worn to the edge of every counter", -(2**63), MOST,
                   MOST, MOST, MOST, MOST, MOST)  # fmt: skip
     store = Store(db)
-    assert store.restore(holding(tactmem._to_json(edge), next_id=MOST)) == 1
+    assert tactmem.restore(store, holding(tactmem._to_json(edge), next_id=MOST)) == 1
     (card,) = store.scan("worn edge counter", now_ms=1).candidates
     assert card.key == edge.key
     (read,) = store.read([MOST - 1], now_ms=2)
@@ -2538,7 +2549,7 @@ def test_every_counter_and_id_stays_a_64_bit_integer_at_its_edge(db: Path) -> No
     with pytest.raises(DatabaseCapacity):
         store.put("no id is left for this one", now_ms=4)
     with pytest.raises(DatabaseCapacity, match="export line 2"):
-        store.merge(holding(RECORD), now_ms=4)
+        tactmem.merge(store, holding(RECORD), now_ms=4)
     with pytest.raises(Conflict):  # no version is left above the largest
         store.put("a replacement", replace=edge.key, now_ms=4)
     with raw(db) as connection:
@@ -2548,7 +2559,7 @@ def test_every_counter_and_id_stays_a_64_bit_integer_at_its_edge(db: Path) -> No
             " (SELECT typeof(next_id) FROM memory_metadata) FROM memories"
         ).fetchall()
     assert kinds == [("integer",) * 8]
-    assert store.export(now_ms=5).next_id == MOST
+    assert tactmem.export(store, now_ms=5).next_id == MOST
 
 
 MANIFEST: dict[str, Any] = {
@@ -2606,7 +2617,7 @@ TAMPERING = {
 def test_a_tampered_export_is_refused_with_nothing_written(
     tmp_path: Path, change: str, operation: str
 ) -> None:
-    backup = used_store(tmp_path / "source.sqlite3").export(now_ms=EXPORT_NOW).data
+    backup = tactmem.export(used_store(tmp_path / "source.sqlite3"), now_ms=EXPORT_NOW).data
     bad = tampered(backup, change)
     db = tmp_path / "target.sqlite3"
     store = Store(db)
@@ -2614,9 +2625,9 @@ def test_a_tampered_export_is_refused_with_nothing_written(
     store.close()
     before = db.read_bytes()
     call: Callable[[], object] = {
-        "merge": lambda: store.merge(bad, now_ms=EXPORT_NOW),
-        "restore": lambda: store.restore(bad),
-        "dry run": lambda: store.merge(bad, dry_run=True, now_ms=EXPORT_NOW),
+        "merge": lambda: tactmem.merge(store, bad, now_ms=EXPORT_NOW),
+        "restore": lambda: tactmem.restore(store, bad),
+        "dry run": lambda: tactmem.merge(store, bad, dry_run=True, now_ms=EXPORT_NOW),
     }[operation]
     with pytest.raises(TactmemError) as caught:
         call()
@@ -2698,7 +2709,10 @@ def test_a_hostile_export_is_refused_naming_the_line_and_reason(tmp_path: Path, 
     store = Store(db)
     store.put("already here", now_ms=1)
     before = db.read_bytes()
-    for call in (lambda: store.merge(data, now_ms=2), lambda: store.restore(data)):
+    for call in (
+        lambda: tactmem.merge(store, data, now_ms=2),
+        lambda: tactmem.restore(store, data),
+    ):
         with pytest.raises(tactmem.InvalidExport) as caught:
             call()
         assert (caught.value.code, str(caught.value)) == (
@@ -2718,7 +2732,7 @@ def test_an_export_larger_than_the_limits_allow_is_refused_unread(tmp_path: Path
         tactmem.InvalidExport,
         match=re.escape(f"larger than this store's limits allow ({most} bytes)"),
     ):
-        Store(tmp_path / "m.sqlite3", limits=TINY).merge(big.read_bytes())
+        tactmem.merge(Store(tmp_path / "m.sqlite3", limits=TINY), big.read_bytes())
     assert not (tmp_path / "m.sqlite3").exists()  # refused before the store is opened
     with pytest.raises(tactmem.InvalidExport, match=r"^export file: not a regular file$"):
         tactmem._read_export(str(tmp_path), TINY)
@@ -2730,7 +2744,7 @@ def test_a_database_the_v1_original_wrote_exports_intact(db: Path, tmp_path: Pat
         (3, 4, "Rust wrote this", 10, 20, 30, 2, 40, 5, None),
         (7, 1, "and this, unread", 50, 50, None, 0, None, 0, 9_000),
     )
-    backup = Store(db).export(now_ms=100)
+    backup = tactmem.export(Store(db), now_ms=100)
     records = export_lines(backup.data)[1:]
     assert records == [
         {"key": {"id": 3, "version": 4}, "content": "Rust wrote this", "created_at_ms": 10,
@@ -2742,7 +2756,7 @@ def test_a_database_the_v1_original_wrote_exports_intact(db: Path, tmp_path: Pat
     ]  # fmt: skip
     assert backup.next_id == 8
     restored = tmp_path / "restored.sqlite3"
-    assert Store(restored).restore(backup.data) == 2
+    assert tactmem.restore(Store(restored), backup.data) == 2
     assert rows_of(restored) == rows_of(db)
 
 
@@ -2860,7 +2874,7 @@ def test_an_import_is_atomic_with_respect_to_concurrent_writers(tmp_path: Path) 
     with Store(source) as store:
         for i in range(200):
             store.put(f"imported fact number {i}", now_ms=1)
-    file.write_bytes(Store(source).export(now_ms=1).data)
+    file.write_bytes(tactmem.export(Store(source), now_ms=1).data)
     Store(db).list()
     modes = ["writer", "writer", "reader"]
     watchers = [
@@ -3260,7 +3274,7 @@ def test_nul_in_content_is_refused_on_every_backend(tmp_path: Path) -> None:
         answer = tool.call({"operation": "put", "content": content})
         assert answer["error"]["code"] == "invalid_request" and "after" not in str(answer)
         assert store.list() == (kept,)
-        manifest, record = export_lines(store.export().data)
+        manifest, record = export_lines(tactmem.export(store).data)
     cli = subprocess.run(
         [sys.executable, "-m", "tactmem", "--db", str(db), "put", "-"], input=content.encode(),
         capture_output=True, env=subprocess_env(), timeout=60,
@@ -3268,9 +3282,9 @@ def test_nul_in_content_is_refused_on_every_backend(tmp_path: Path) -> None:
     assert cli.returncode == 1 and b"NUL" in cli.stderr and b"before" not in cli.stderr
     forged = export_bytes(manifest, [{**record, "content": content}])  # the hash made to fit
     with Store(tmp_path / "other.sqlite3") as other:
-        for load in (other.merge, other.restore):
+        for load in (tactmem.merge, tactmem.restore):
             with pytest.raises(tactmem.InvalidRequest, match=r"export line 2: .*NUL"):
-                load(forged)
+                load(other, forged)
         assert other.list() == ()
     stub = StubServer({"session": SESSION})
     try:
@@ -5735,7 +5749,7 @@ def test_a_file_with_objects_tactmem_did_not_create_is_refused_untouched(
         lambda: store.read([1, 2]),
         lambda: store.put("a new conclusion"),
         lambda: store.delete(Key(1, 1)),
-        store._stats,
+        lambda: tactmem._stats(store),
     ):
         with pytest.raises(StorageError, match=message):
             operation()
@@ -5913,10 +5927,10 @@ def test_scan_offers_exactly_what_read_returns(db: Path, tmp_path: Path, kind: s
         returned = [record.key for record in store.read([key.id for key in offered], now_ms=1)]
         assert offered == returned == [Key(2, 1)]
         assert [record.key for record in store.list(now_ms=1)] == [Key(2, 1)]
-        export = store.export(now_ms=1)
+        export = tactmem.export(store, now_ms=1)
         assert (export.records, export.hidden) == (1, 1)
-        assert store._stats(now_ms=1)["hidden_records"] == 1
-    assert Store(tmp_path / "restored.sqlite3").restore(export.data) == 1
+        assert tactmem._stats(store, now_ms=1)["hidden_records"] == 1
+    assert tactmem.restore(Store(tmp_path / "restored.sqlite3"), export.data) == 1
 
 
 @contextlib.contextmanager
@@ -7859,7 +7873,9 @@ def test_a_pull_killed_before_its_bookkeeping_is_found_by_the_next_push(tmp_path
             now = tactmem._now_ms()
             pulled = [("bob", r.key.id, 1, tactmem._digest(r.content)) for r in (held, new)]
             file.save([], pulled=(now, pulled))
-            local._merge_records([(1, held), (2, new)], False, now)  # then the process dies
+            tactmem._merge_records(
+                local, [(1, held), (2, new)], False, now
+            )  # then the process dies
         with tactmem._TeamLinks(local, remote) as file:
             links, pending = file.load(local.list())
     assert pending == [] and [(lk.local_id, lk.namespace, lk.remote_id) for lk in links] == [
