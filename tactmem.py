@@ -9,6 +9,22 @@ records expire after seven days of probation.
 
 Requires Python >= 3.11, attrs >= 23.1 and cattrs >= 23.2. Vendoring: copy this file.
 
+Contents (the banners below, in order)::
+
+    constants (pure): secret rules
+    errors (pure)
+    values (pure)
+    core (pure): tokenizing · secrets and identity · ranking · checks · store rules ·
+      the storage boundary · the memory tool · presentation
+    shell (I/O): opening and checking the database · the side cache · the SQLite store ·
+      the memory tool over a store · config files · MCP glue
+    features: export, import and restore (pure) · export, import and restore (I/O) ·
+      the browser (pure) · the browser (I/O) · evaluation (pure) ·
+      evaluation: paired runs (pure) · evaluation (I/O) · team memory: remote answers (pure) ·
+      team memory: push plans (pure) · team memory: the remote store (I/O) ·
+      team memory: the team links (I/O)
+    command line (I/O)
+
 Command line (``tactmem COMMAND --help`` for each)::
 
     tactmem [--config PATH | --db PATH] [--json] COMMAND
@@ -68,7 +84,8 @@ __all__ = [  # sorted; each is documented in the README
     "tokenize", "tool_definition", "with_memory_instructions",
 ]  # fmt: skip
 
-# ============================================================================ constants (pure)
+
+# ============================================================ constants (pure)
 
 _SCHEMA_VERSION: Final = 1
 _PAGE_SIZE_BYTES: Final = 4096
@@ -106,7 +123,9 @@ _COMBINING_MARKS: Final = frozenset({"Mn", "Mc"})
 # separators, private-use and unassigned code points.
 _UNPRINTABLE: Final = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp", "Co", "Cn"})
 
-# ------------------------------------------------------------------------ secret rules
+
+# ------------------------------------------------------------ secret rules
+
 # Each rule is best effort and names a shape, never the matched text. Rules marked "(ai)" match
 # ASCII letters case-insensitively, as the reference's `to_ascii_lowercase` does.
 _AI: Final = re.ASCII | re.IGNORECASE
@@ -502,7 +521,8 @@ _JWT: Final = re.compile(r"eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-
 _JWT_TRIMMED: Final = re.compile(r"[A-Za-z0-9_.-](?:.*[A-Za-z0-9_.-])?", re.DOTALL)
 _URL_AUTHORITY_END: Final = re.compile(r"[/?#]")
 
-# ============================================================================ errors (pure)
+
+# ============================================================ errors (pure)
 
 
 class TactmemError(Exception):
@@ -680,7 +700,11 @@ class MemoryDisabled(ConfigError):
         super().__init__(f"memory is not enabled in {path}: set [memory] enabled = true")
 
 
-# ============================================================================ values (pure)
+class _UsageError(Exception):
+    pass
+
+
+# ============================================================ values (pure)
 
 
 def _positive(_instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -808,8 +832,15 @@ class Merged:
     skipped: int
 
 
-# ============================================================================ core (pure)
-# ------------------------------------------------------------------------ tokenizing
+_LIMIT_FIELDS: Final = tuple(field.name for field in attrs.fields(Limits))
+
+
+# ============================================================ core (pure)
+# Everything here takes values and returns values: no I/O, no clock (`now_ms` comes in), no
+# module state. The shell below reads what a rule needs, asks here, and writes the answer.
+
+
+# ------------------------------------------------------------ tokenizing
 
 
 def _word_runs(text: str) -> list[str]:
@@ -926,211 +957,7 @@ def _query_terms(query: str) -> list[str]:
     return sorted(set(tokenize(query)))
 
 
-# ------------------------------------------------------------------------ ranking
-# What a text yields, whatever row holds it: whether it is hidden (`_hidden`), and its counts.
-_Derived = tuple[bool, dict[str, int]]
-
-
-def _digest(text: str) -> str:
-    """What `_Derived` is kept under: a BLAKE2b hash of the text."""
-    try:  # hashlib's own BLAKE2b, without the milliseconds hashlib takes to load OpenSSL
-        from _blake2 import blake2b
-    except ImportError:  # pragma: no cover - a Python built without it
-        from hashlib import blake2b
-    return blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-
-
-class _Corpus:
-    """Token statistics of a set of documents, brought up to date one changed row at a time.
-
-    `rows` remembers every row as it was last seen, hidden ones (see `_hidden`) included, so an
-    unchanged row is never looked at twice; only visible documents take part in ranking.
-    Postings are kept for every term, so a term's weights cost what its documents do, not what
-    the corpus does. Weights depend on every document's length, so they are computed per term
-    on first use and dropped on any change.
-
-    What a text yields, its counts and whether it is hidden, depends on the text alone: `known`
-    maps `_digest`s to what earlier runs worked out (a cache the shell keeps beside the file).
-    A text taken from there stays `unconfirmed` until `confirm` has checked it for secrets
-    itself: a cache may be stale in ways a digest cannot tell, or forged.
-    """
-
-    def __init__(self) -> None:
-        self.rows: dict[int, tuple[int, int, object]] = {}  # id -> (id, version, content)
-        self.contents: dict[int, str] = {}
-        self.counts: dict[int, dict[str, int]] = {}
-        self.lengths: dict[int, int] = {}
-        self.total_length = 0
-        self.postings: defaultdict[str, dict[int, int]] = defaultdict(dict)  # every term's
-        self._ids: list[int] = []  # visible ids in order; empty until the first rank
-        self._positions: dict[int, int] = {}
-        self._norms: list[float] = []
-        self._weights: dict[str, tuple[list[int], list[float], float]] = {}  # and the idf
-        self._stems: dict[int, frozenset[str]] = {}  # each term's `_stem`, once asked for
-        self.digests: dict[int, str] = {}  # only where `update` was given `known`
-        self.unconfirmed: set[int] = set()
-
-    def update(
-        self, rows: Sequence[tuple[int, int, object]], known: Mapping[str, _Derived] | None = None
-    ) -> dict[str, _Derived]:
-        """Make the statistics those of exactly these `(id, version, content)` rows. With
-        `known`, every text gets a digest, and what was worked out anew is returned by digest."""
-        fresh = {row[0]: row for row in rows}
-        for doc_id in self.rows.keys() - fresh.keys():
-            self._remove(doc_id)
-        changed = [row for doc_id, row in fresh.items() if self.rows.get(doc_id) != row]
-        texts = [text if isinstance(text, str) else "" for *_, text in changed]
-        digests = [] if known is None else list(map(_digest, texts))
-        derived, cached = _derive(texts, digests, known or {})
-        for index, (doc_id, _, content) in enumerate(changed):
-            hidden, counts = derived[index]
-            self._remove(doc_id)
-            self.rows[doc_id] = changed[index]
-            if not isinstance(content, str):
-                continue
-            if digests:
-                self.digests[doc_id] = digests[index]
-            if index in cached:
-                self.unconfirmed.add(doc_id)
-            if not hidden:
-                self._add(doc_id, content, counts)
-        return {
-            digests[i]: derived[i]
-            for i, row in enumerate(changed)
-            if digests and i not in cached and isinstance(row[2], str)
-        }
-
-    def _add(self, doc_id: int, content: str, counts: dict[str, int]) -> None:
-        """A visible document: its text, its counts, its length and its postings."""
-        self.contents[doc_id] = content
-        self.counts[doc_id] = counts
-        self.lengths[doc_id] = sum(counts.values())
-        self.total_length += self.lengths[doc_id]
-        for term, count in counts.items():
-            self.postings[term][doc_id] = count
-
-    def confirm(self, doc_ids: Iterable[int]) -> bool:
-        """Check the texts of these documents that came from a cache for secrets; False if
-        one is secret-shaped (the cache lied: the caller starts over without it)."""
-        for doc_id in self.unconfirmed.intersection(doc_ids):
-            if find_secret(self.contents[doc_id]) is not None:
-                return False
-            self.unconfirmed.discard(doc_id)
-        return True
-
-    def _remove(self, doc_id: int) -> None:
-        self._ids = []
-        self.digests.pop(doc_id, None)
-        self.unconfirmed.discard(doc_id)
-        self._stems.pop(doc_id, None)
-        self.rows.pop(doc_id, None)
-        self.contents.pop(doc_id, None)
-        counts = self.counts.pop(doc_id, None)
-        if counts is not None:
-            self.total_length -= self.lengths.pop(doc_id)
-            for term in counts:
-                posting = self.postings[term]
-                del posting[doc_id]
-                if not posting:
-                    del self.postings[term]
-
-    def rank(self, terms: Sequence[str], limit: int) -> list[tuple[int, float]]:
-        """BM25 (k1 1.2, b 0.75, idf ln(1 + (N - df + .5)/(df + .5))), best first, ties by id.
-
-        Terms must be sorted: each document's score is summed in term order, so the floats
-        are bit-identical to the reference's.
-        """
-        if limit <= 0 or not self.counts or not terms:
-            return []
-        if not self._ids:  # first rank since a change
-            self._ids = sorted(self.counts)
-            self._positions = {doc_id: position for position, doc_id in enumerate(self._ids)}
-            average = self.total_length / len(self._ids)
-            self._norms = [
-                _BM25_K1 * ((1 - _BM25_B) + _BM25_B * (length / average if average else 0.0))
-                for length in map(self.lengths.__getitem__, self._ids)
-            ]
-            self._weights = {}
-        scores = [0.0] * len(self._ids)
-        for term in terms:
-            positions, weights, _ = self._term(term)
-            for position, weight in zip(positions, weights, strict=True):
-                scores[position] += weight
-        best = heapq.nlargest(limit, range(len(scores)), key=scores.__getitem__)  # stable
-        return [(self._ids[position], scores[position]) for position in best if scores[position]]
-
-    def _term(self, term: str) -> tuple[list[int], list[float], float]:
-        """A term's positions, BM25 weights and idf: cached, or worked out now."""
-        return self._weights.get(term) or self._term_weights(term)
-
-    def _term_weights(self, term: str) -> tuple[list[int], list[float], float]:
-        if len(self._weights) >= _CACHED_TERMS:  # terms no document has add up
-            self._weights.clear()
-        posting = self.postings.get(term, {})
-        n, df = len(self._ids), len(posting)
-        idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
-        k1_plus_1 = _BM25_K1 + 1
-        positions = list(map(self._positions.__getitem__, posting))
-        weights = [
-            idf * tf * k1_plus_1 / (tf + norm)
-            for tf, norm in zip(
-                posting.values(), map(self._norms.__getitem__, positions), strict=True
-            )
-        ]
-        self._weights[term] = (positions, weights, idf)
-        return positions, weights, idf
-
-    def coverage(self, terms: Sequence[str]) -> Callable[[int], float]:
-        """How much of the query's evidence a document holds, in [0, 1], after `rank` with
-        these terms: each distinct query term that is not a function word (all of them if
-        every one is) weighs the square root of its BM25 idf, and the share of that weight
-        whose terms the document holds, as they are or by `_stem`, is its coverage."""
-        subject = [term for term in terms if term not in _FUNCTION_WORDS] or terms
-        weights = [(term, _stem(term), math.sqrt(self._term(term)[2])) for term in subject]
-        total = sum(weight for _, _, weight in weights)
-
-        def of(doc_id: int) -> float:
-            counts, stems = self.counts[doc_id], self._stems.get(doc_id)
-            if stems is None:
-                stems = self._stems[doc_id] = frozenset(map(_stem, counts))
-            return sum(w for term, stem, w in weights if term in counts or stem in stems) / total
-
-        return of
-
-
-def _derive(
-    texts: Sequence[str], digests: Sequence[str], known: Mapping[str, _Derived]
-) -> tuple[list[_Derived], set[int]]:
-    """What each text yields, taken from `known` by its digest where it can be (those
-    indexes are returned too), else worked out: all the new texts' secrets in one pass."""
-    cached = {i for i, digest in enumerate(digests) if digest in known}
-    todo = [i for i in range(len(texts)) if i not in cached]
-    counted = {i: Counter(tokenize(texts[i])) for i in todo}
-    secret = _secret_rows([texts[i] for i in todo], set().union(*counted.values()))
-    derived: dict[int, _Derived] = {  # a hidden text's terms are kept nowhere
-        i: (True, {}) if n in secret else (False, counted[i]) for n, i in enumerate(todo)
-    }
-    return [derived[i] if i in derived else known[digests[i]] for i in range(len(texts))], cached
-
-
-def rank(
-    query: str, docs: Iterable[tuple[int, str]], *, limit: int = _DEFAULT_LIMITS.scan_results
-) -> list[tuple[int, float]]:
-    """Rank `(id, text)` documents against a query with BM25; docs sharing no term are left out."""
-    corpus = _Corpus()
-    corpus.update([(doc_id, 0, text) for doc_id, text in dict(docs).items()])
-    return corpus.rank(_query_terms(query), limit)
-
-
-def preview(content: str, max_bytes: int = _PREVIEW_BYTES) -> str:
-    """The longest prefix of `content` that fits in `max_bytes` of UTF-8, never splitting a char."""
-    encoded = content.encode("utf-8")
-    if len(encoded) <= max_bytes:
-        return content
-    return encoded[:max_bytes].decode("utf-8", "ignore")
-
-
-# ------------------------------------------------------------------------ secrets and identity
+# ------------------------------------------------------------ secrets and identity
 
 
 def _bearer_token(text: str) -> bool:
@@ -1725,7 +1552,310 @@ def _utf8_length(text: str, what: str) -> int:
         raise InvalidRequest(f"memory {what} is not valid Unicode text") from None
 
 
-# ------------------------------------------------------------------------ store rules
+# ------------------------------------------------------------ ranking
+
+# What a text yields, whatever row holds it: whether it is hidden (`_hidden`), and its counts.
+_Derived = tuple[bool, dict[str, int]]
+
+
+def _digest(text: str) -> str:
+    """What `_Derived` is kept under: a BLAKE2b hash of the text."""
+    try:  # hashlib's own BLAKE2b, without the milliseconds hashlib takes to load OpenSSL
+        from _blake2 import blake2b
+    except ImportError:  # pragma: no cover - a Python built without it
+        from hashlib import blake2b
+    return blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+class _Corpus:
+    """Token statistics of a set of documents, brought up to date one changed row at a time.
+
+    `rows` remembers every row as it was last seen, hidden ones (see `_hidden`) included, so an
+    unchanged row is never looked at twice; only visible documents take part in ranking.
+    Postings are kept for every term, so a term's weights cost what its documents do, not what
+    the corpus does. Weights depend on every document's length, so they are computed per term
+    on first use and dropped on any change.
+
+    What a text yields, its counts and whether it is hidden, depends on the text alone: `known`
+    maps `_digest`s to what earlier runs worked out (a cache the shell keeps beside the file).
+    A text taken from there stays `unconfirmed` until `confirm` has checked it for secrets
+    itself: a cache may be stale in ways a digest cannot tell, or forged.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[int, tuple[int, int, object]] = {}  # id -> (id, version, content)
+        self.contents: dict[int, str] = {}
+        self.counts: dict[int, dict[str, int]] = {}
+        self.lengths: dict[int, int] = {}
+        self.total_length = 0
+        self.postings: defaultdict[str, dict[int, int]] = defaultdict(dict)  # every term's
+        self._ids: list[int] = []  # visible ids in order; empty until the first rank
+        self._positions: dict[int, int] = {}
+        self._norms: list[float] = []
+        self._weights: dict[str, tuple[list[int], list[float], float]] = {}  # and the idf
+        self._stems: dict[int, frozenset[str]] = {}  # each term's `_stem`, once asked for
+        self.digests: dict[int, str] = {}  # only where `update` was given `known`
+        self.unconfirmed: set[int] = set()
+
+    def update(
+        self, rows: Sequence[tuple[int, int, object]], known: Mapping[str, _Derived] | None = None
+    ) -> dict[str, _Derived]:
+        """Make the statistics those of exactly these `(id, version, content)` rows. With
+        `known`, every text gets a digest, and what was worked out anew is returned by digest."""
+        fresh = {row[0]: row for row in rows}
+        for doc_id in self.rows.keys() - fresh.keys():
+            self._remove(doc_id)
+        changed = [row for doc_id, row in fresh.items() if self.rows.get(doc_id) != row]
+        texts = [text if isinstance(text, str) else "" for *_, text in changed]
+        digests = [] if known is None else list(map(_digest, texts))
+        derived, cached = _derive(texts, digests, known or {})
+        for index, (doc_id, _, content) in enumerate(changed):
+            hidden, counts = derived[index]
+            self._remove(doc_id)
+            self.rows[doc_id] = changed[index]
+            if not isinstance(content, str):
+                continue
+            if digests:
+                self.digests[doc_id] = digests[index]
+            if index in cached:
+                self.unconfirmed.add(doc_id)
+            if not hidden:
+                self._add(doc_id, content, counts)
+        return {
+            digests[i]: derived[i]
+            for i, row in enumerate(changed)
+            if digests and i not in cached and isinstance(row[2], str)
+        }
+
+    def _add(self, doc_id: int, content: str, counts: dict[str, int]) -> None:
+        """A visible document: its text, its counts, its length and its postings."""
+        self.contents[doc_id] = content
+        self.counts[doc_id] = counts
+        self.lengths[doc_id] = sum(counts.values())
+        self.total_length += self.lengths[doc_id]
+        for term, count in counts.items():
+            self.postings[term][doc_id] = count
+
+    def confirm(self, doc_ids: Iterable[int]) -> bool:
+        """Check the texts of these documents that came from a cache for secrets; False if
+        one is secret-shaped (the cache lied: the caller starts over without it)."""
+        for doc_id in self.unconfirmed.intersection(doc_ids):
+            if find_secret(self.contents[doc_id]) is not None:
+                return False
+            self.unconfirmed.discard(doc_id)
+        return True
+
+    def _remove(self, doc_id: int) -> None:
+        self._ids = []
+        self.digests.pop(doc_id, None)
+        self.unconfirmed.discard(doc_id)
+        self._stems.pop(doc_id, None)
+        self.rows.pop(doc_id, None)
+        self.contents.pop(doc_id, None)
+        counts = self.counts.pop(doc_id, None)
+        if counts is not None:
+            self.total_length -= self.lengths.pop(doc_id)
+            for term in counts:
+                posting = self.postings[term]
+                del posting[doc_id]
+                if not posting:
+                    del self.postings[term]
+
+    def rank(self, terms: Sequence[str], limit: int) -> list[tuple[int, float]]:
+        """BM25 (k1 1.2, b 0.75, idf ln(1 + (N - df + .5)/(df + .5))), best first, ties by id.
+
+        Terms must be sorted: each document's score is summed in term order, so the floats
+        are bit-identical to the reference's.
+        """
+        if limit <= 0 or not self.counts or not terms:
+            return []
+        if not self._ids:  # first rank since a change
+            self._ids = sorted(self.counts)
+            self._positions = {doc_id: position for position, doc_id in enumerate(self._ids)}
+            average = self.total_length / len(self._ids)
+            self._norms = [
+                _BM25_K1 * ((1 - _BM25_B) + _BM25_B * (length / average if average else 0.0))
+                for length in map(self.lengths.__getitem__, self._ids)
+            ]
+            self._weights = {}
+        scores = [0.0] * len(self._ids)
+        for term in terms:
+            positions, weights, _ = self._term(term)
+            for position, weight in zip(positions, weights, strict=True):
+                scores[position] += weight
+        best = heapq.nlargest(limit, range(len(scores)), key=scores.__getitem__)  # stable
+        return [(self._ids[position], scores[position]) for position in best if scores[position]]
+
+    def _term(self, term: str) -> tuple[list[int], list[float], float]:
+        """A term's positions, BM25 weights and idf: cached, or worked out now."""
+        return self._weights.get(term) or self._term_weights(term)
+
+    def _term_weights(self, term: str) -> tuple[list[int], list[float], float]:
+        if len(self._weights) >= _CACHED_TERMS:  # terms no document has add up
+            self._weights.clear()
+        posting = self.postings.get(term, {})
+        n, df = len(self._ids), len(posting)
+        idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+        k1_plus_1 = _BM25_K1 + 1
+        positions = list(map(self._positions.__getitem__, posting))
+        weights = [
+            idf * tf * k1_plus_1 / (tf + norm)
+            for tf, norm in zip(
+                posting.values(), map(self._norms.__getitem__, positions), strict=True
+            )
+        ]
+        self._weights[term] = (positions, weights, idf)
+        return positions, weights, idf
+
+    def coverage(self, terms: Sequence[str]) -> Callable[[int], float]:
+        """How much of the query's evidence a document holds, in [0, 1], after `rank` with
+        these terms: each distinct query term that is not a function word (all of them if
+        every one is) weighs the square root of its BM25 idf, and the share of that weight
+        whose terms the document holds, as they are or by `_stem`, is its coverage."""
+        subject = [term for term in terms if term not in _FUNCTION_WORDS] or terms
+        weights = [(term, _stem(term), math.sqrt(self._term(term)[2])) for term in subject]
+        total = sum(weight for _, _, weight in weights)
+
+        def of(doc_id: int) -> float:
+            counts, stems = self.counts[doc_id], self._stems.get(doc_id)
+            if stems is None:
+                stems = self._stems[doc_id] = frozenset(map(_stem, counts))
+            return sum(w for term, stem, w in weights if term in counts or stem in stems) / total
+
+        return of
+
+
+def _derive(
+    texts: Sequence[str], digests: Sequence[str], known: Mapping[str, _Derived]
+) -> tuple[list[_Derived], set[int]]:
+    """What each text yields, taken from `known` by its digest where it can be (those
+    indexes are returned too), else worked out: all the new texts' secrets in one pass."""
+    cached = {i for i, digest in enumerate(digests) if digest in known}
+    todo = [i for i in range(len(texts)) if i not in cached]
+    counted = {i: Counter(tokenize(texts[i])) for i in todo}
+    secret = _secret_rows([texts[i] for i in todo], set().union(*counted.values()))
+    derived: dict[int, _Derived] = {  # a hidden text's terms are kept nowhere
+        i: (True, {}) if n in secret else (False, counted[i]) for n, i in enumerate(todo)
+    }
+    return [derived[i] if i in derived else known[digests[i]] for i in range(len(texts))], cached
+
+
+def rank(
+    query: str, docs: Iterable[tuple[int, str]], *, limit: int = _DEFAULT_LIMITS.scan_results
+) -> list[tuple[int, float]]:
+    """Rank `(id, text)` documents against a query with BM25; docs sharing no term are left out."""
+    corpus = _Corpus()
+    corpus.update([(doc_id, 0, text) for doc_id, text in dict(docs).items()])
+    return corpus.rank(_query_terms(query), limit)
+
+
+def preview(content: str, max_bytes: int = _PREVIEW_BYTES) -> str:
+    """The longest prefix of `content` that fits in `max_bytes` of UTF-8, never splitting a char."""
+    encoded = content.encode("utf-8")
+    if len(encoded) <= max_bytes:
+        return content
+    return encoded[:max_bytes].decode("utf-8", "ignore")
+
+
+# ------------------------------------------------------------ checks
+# The generic validators every parser here shares (requests, export files, config, answers,
+# scenarios): each says what is wrong and where, never the value itself.
+
+
+# Lowercase words joined by `_` (a part may be a number of up to three digits), at most 32
+# characters: `is_root`, `recall_at_5`. Nothing random-looking, which could be a credential.
+_FIELD_NAME: Final = re.compile("(?=.{1,32}$)[a-z]+(?:_(?:[a-z]+|[0-9]{1,3}))*")
+
+
+def _field_label(name: object) -> str:
+    """Name a field in an error only when it looks like a field name, never echo arbitrary
+    text (a random-looking name could be a credential)."""
+    if isinstance(name, str) and _FIELD_NAME.fullmatch(name):
+        return repr(name)
+    return "(a name that is not shown)"
+
+
+def _check_fields(
+    value: Mapping[Any, Any], required: tuple[str, ...], optional: tuple[str, ...], what: str
+) -> None:
+    for name in value:  # never named: a field name an agent or a file made up could be a secret
+        if name not in required and name not in optional:
+            known = ", ".join((*required, *optional))
+            raise InvalidRequest(f"{what} has an unknown field (it takes only {known})")
+    for name in sorted(set(required) - set(value)):
+        raise InvalidRequest(f"{what} is missing the field {name!r}")
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(name)
+
+
+def _is_text(value: object) -> bool:
+    """A string that is UTF-8 text (JSON can spell a lone surrogate; no store takes one)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_label(value: object) -> bool:
+    return _is_text(value) and bool(value)
+
+
+def _is_number(value: object) -> bool:
+    return type(value) is int or (type(value) is float and math.isfinite(value))
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and 0 <= value <= _MAX_SQL_INT
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose fields are all different (the last of a repeated one would win)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise ValueError("a repeated field")
+    return value
+
+
+def _check_line(
+    where: str,
+    value: Mapping[str, Any],
+    fields: tuple[tuple[str, ...], tuple[str, ...]],
+    checks: Mapping[str, tuple[Callable[[Any], bool], str]],
+    what: str,
+    bad: type[TactmemError],
+) -> None:
+    """Every required field present, no unknown one, each holding what `checks` says."""
+    try:
+        _check_fields(value, *fields, what)
+    except InvalidRequest as error:
+        raise bad(f"{where}: {error}") from None
+    for name, field in value.items():
+        check, wanted = checks[name]
+        if not check(field):
+            raise bad(f"{where}: {what} field {name!r} must be {wanted}")
+
+
+_REMOTE_NAMESPACE: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def _is_namespace(value: object) -> bool:
+    return isinstance(value, str) and _REMOTE_NAMESPACE.fullmatch(value) is not None
+
+
+def _check_namespace(namespace: object) -> str:
+    if not _is_namespace(namespace):
+        raise ConfigError(
+            "remote memory namespace must be 1 to 128 ASCII letters, digits, '.', '-' or '_'"
+        )
+    return str(namespace)
+
+
+# ------------------------------------------------------------ store rules
 # Every rule of a store, over values the shell reads in the operation's one transaction: a
 # backend reads what a plan needs, asks here, writes the plan. Plans and snapshots are frozen
 # NamedTuples (a fraction of an attrs class's cost to make, at import and per operation).
@@ -1972,60 +2102,7 @@ def _on_line(line: int, error: TactmemError) -> TactmemError:
     return error
 
 
-def _plan_merge(
-    records: Sequence[tuple[int, Record]], batch: _Batch, limits: Limits, now_ms: int
-) -> tuple[list[tuple[Record, str]], int]:
-    """Merge like Tact's `pull`: in file order, each record checked as a put (`_check_put`),
-    skipped when its identity is in the store or earlier in the file, else planned by
-    `_plan_put` against the store as the inserts before it leave it, so it gets the next id,
-    version 1, fresh probation and no telemetry. Returns the inserts (with their identities)
-    and the number skipped; the first record that breaks a rule or a bound fails the whole
-    batch, naming its line."""
-    seen, inserts = set(batch.identities), list[tuple[Record, str]]()
-    rows, size, next_id = batch.rows, batch.content_bytes, batch.next_id
-    for line, record in records:
-        try:
-            put = _check_put(record.content, None, limits, now_ms)
-            if put.identity in seen:
-                continue
-            state = _PutState(
-                rows=rows, content_bytes=size, next_id=next_id, duplicate_of=None,
-                target_version=None, target_bytes=0, target_created_at_ms=None,
-            )  # fmt: skip
-            new = _plan_put(put, state, limits).record
-        except TactmemError as error:
-            raise _on_line(line, error) from None
-        seen.add(put.identity)
-        inserts.append((new, put.identity))
-        rows, size, next_id = rows + 1, size + put.size, new.key.id + 1
-    return inserts, len(records) - len(inserts)
-
-
-def _plan_restore(
-    records: Sequence[tuple[int, Record]], batch: _Batch, limits: Limits
-) -> list[tuple[Record, str]]:
-    """Restore a backup exactly, ids and all, into a store that never held a record (no row,
-    no id handed out, so no key an agent holds for it can address a restored record). Each
-    record is checked as a put is (content, secret, duplicate, row and byte bounds); the
-    first that fails fails the whole batch, naming its line."""
-    if batch.rows or batch.next_id != 1:
-        raise StoreNotEmpty()
-    seen, restored, size = set[str](), list[tuple[Record, str]](), 0
-    for line, record in records:
-        try:
-            put = _check_put(record.content, None, limits, 0)
-            if put.identity in seen:
-                raise Duplicate()
-            _check_insert(len(restored), size, put.size, limits)
-        except TactmemError as error:
-            raise _on_line(line, error) from None
-        seen.add(put.identity)
-        restored.append((record, put.identity))
-        size += put.size
-    return restored
-
-
-# ------------------------------------------------------------------------ the storage boundary
+# ------------------------------------------------------------ the storage boundary
 
 
 class Backend(Protocol):
@@ -2065,11 +2142,8 @@ class TeamBackend(Backend, Protocol):
     def read_keys(self, keys: Iterable[RemoteKey]) -> tuple[Record, ...]: ...
 
 
-# ------------------------------------------------------------------------ the memory tool
+# ------------------------------------------------------------ the memory tool
 
-# Lowercase words joined by `_` (a part may be a number of up to three digits), at most 32
-# characters: `is_root`, `recall_at_5`. Nothing random-looking, which could be a credential.
-_FIELD_NAME: Final = re.compile("(?=.{1,32}$)[a-z]+(?:_(?:[a-z]+|[0-9]{1,3}))*")
 _Operation = Literal["scan", "read", "put", "delete"]
 
 
@@ -2084,14 +2158,6 @@ class _Request:
     keys: tuple[RemoteKey, ...] = ()  # team memory's `read`
     content: str = attrs.field(default="", repr=False)
     key: Key | None = None
-
-
-def _field_label(name: object) -> str:
-    """Name a field in an error only when it looks like a field name, never echo arbitrary
-    text (a random-looking name could be a credential)."""
-    if isinstance(name, str) and _FIELD_NAME.fullmatch(name):
-        return repr(name)
-    return "(a name that is not shown)"
 
 
 def _strict_int(value: object, what: str) -> int:
@@ -2120,21 +2186,6 @@ def _strict_namespaced(key: Key, value: Mapping[str, Any], what: str) -> RemoteK
         raise InvalidRequest(
             f"memory {what} namespace must be 1 to 128 ASCII letters, digits, '.', '-' or '_'"
         ) from None
-
-
-def _check_fields(
-    value: Mapping[Any, Any], required: tuple[str, ...], optional: tuple[str, ...], what: str
-) -> None:
-    for name in value:  # never named: a field name an agent or a file made up could be a secret
-        if name not in required and name not in optional:
-            known = ", ".join((*required, *optional))
-            raise InvalidRequest(f"{what} has an unknown field (it takes only {known})")
-    for name in sorted(set(required) - set(value)):
-        raise InvalidRequest(f"{what} is missing the field {name!r}")
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(name)
 
 
 # Each operation's fields besides `operation` (required, then optional) and what it does.
@@ -2614,8 +2665,13 @@ def _with_checkpoint(prompt: _Prompt) -> _Prompt:
     return [*prompt, {"type": "text", "text": "\n\n" + MEMORY_REVIEW_CHECKPOINT}]
 
 
-# ------------------------------------------------------------------------ presentation
+def _json(value: object) -> str:
+    import json
 
+    return json.dumps(value)
+
+
+# ------------------------------------------------------------ presentation
 
 # Each order of records (the browser's `f` cycles them): its label and its sort key.
 _SORTS: Final[dict[_Sort, tuple[str, Callable[[Record], tuple[int, ...]]]]] = {
@@ -2679,12 +2735,1611 @@ def _record_heading(record: Record, now_ms: int) -> str:
     )
 
 
-# ------------------------------------------------------------------------ browser (state, screen)
+# Wide in glibc's wcwidth though Unicode calls them ambiguous or neutral, and skin tones.
+_WIDE: Final = re.compile("[\u3248-\u324f\u4dc0-\u4dff\U0001f3fb-\U0001f3ff]")
+
+
+def _cell_width(char: str) -> int:
+    """Terminal cells a character may take; when terminals disagree, the larger count."""
+    category = unicodedata.category(char)
+    if category in ("Mn", "Me", "Cf") and char != "\ufe0f":
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") or _WIDE.match(char) else 1
+
+
+def _fit(text: str, width: int) -> str:
+    """Cut text to at most `width` terminal cells, ending in `…` when something was cut."""
+    cells = [_cell_width(char) for char in text]
+    if sum(cells) <= width:
+        return text
+    used, end = 0, 0
+    while end < len(text) and used + cells[end] <= width - 1:
+        used += cells[end]
+        end += 1
+    return text[:end] + "…" if width >= 1 else ""
+
+
+_Cursor = tuple[str, int]  # an export position: a namespace and an id
+
+
+def _where(record: Record) -> _Cursor:
+    """A team record's place: its namespace and id (the order of lists and exports)."""
+    return getattr(record.key, "namespace", ""), record.key.id
+
+
+# ============================================================ shell (I/O)
+# The thin imperative part of the core: SQLite files, the side cache, config files and the
+# MCP glue. Each operation reads, asks the pure core, and writes inside one transaction.
+
+
+# ------------------------------------------------------------ opening and checking the database
+
+_SCHEMA: Final = (
+    """CREATE TABLE IF NOT EXISTS memories (
+        id INTEGER PRIMARY KEY,
+        content TEXT NOT NULL,
+        normalized_identity TEXT NOT NULL UNIQUE,
+        created_at_ms INTEGER NOT NULL,
+        updated_at_ms INTEGER NOT NULL,
+        last_scanned_at_ms INTEGER,
+        scan_count INTEGER NOT NULL DEFAULT 0 CHECK (scan_count >= 0),
+        last_used_at_ms INTEGER,
+        use_count INTEGER NOT NULL DEFAULT 0 CHECK (use_count >= 0),
+        probation_until_ms INTEGER,
+        version INTEGER NOT NULL DEFAULT 1 CHECK (version > 0)
+    )""",
+    # The allocator: ids are never reused, even after every row is deleted.
+    """CREATE TABLE IF NOT EXISTS memory_metadata (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        next_id INTEGER NOT NULL CHECK (next_id > 0)
+    )""",
+    """INSERT INTO memory_metadata (id, next_id)
+        SELECT 1, COALESCE(MAX(id), 0) + 1 FROM memories WHERE true
+        ON CONFLICT (id) DO UPDATE SET next_id = excluded.next_id
+        WHERE memory_metadata.next_id < excluded.next_id""",
+    """CREATE TRIGGER IF NOT EXISTS memory_id_allocator AFTER INSERT ON memories
+    BEGIN
+        SELECT CASE WHEN NEW.id < (SELECT next_id FROM memory_metadata WHERE id = 1)
+            THEN RAISE(ABORT, 'memory id was already allocated') END;
+        UPDATE memory_metadata SET next_id = NEW.id + 1 WHERE id = 1 AND next_id <= NEW.id;
+    END""",
+)
+_SQL_SPACE: Final = re.compile("[ \t\n\f\r]+")
+# An index an earlier tactmem build created; files it wrote still have it, and it is harmless.
+_OLD_PROBATION_INDEX: Final = (
+    "CREATE INDEX memories_probation ON memories (probation_until_ms)"
+    " WHERE probation_until_ms IS NOT NULL"
+)
+
+
+def _now_ms(now_ms: int | None = None) -> int:
+    """`now_ms` if given (an integer SQLite can store), else the wall clock."""
+    if now_ms is None:
+        return max(0, time.time_ns() // 1_000_000)
+    if type(now_ms) is not int or not 0 <= now_ms <= _MAX_SQL_INT:
+        raise InvalidRequest(f"now_ms must be an integer from 0 to {_MAX_SQL_INT}")
+    return now_ms
+
+
+_DAMAGED: Final = "memory database file is not a SQLite database or is damaged"
+
+
+def _storage_error(error: sqlite3.Error) -> TactmemError:
+    """Map a SQLite failure to the one TactmemError a user should see."""
+    name = getattr(error, "sqlite_errorname", "") or ""
+    if name == "SQLITE_FULL":
+        return DatabaseCapacity()
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+        return StoreBusy()
+    if name in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
+        return StorageError(_DAMAGED)
+    if name.startswith("SQLITE_READONLY"):
+        return StorageError("memory database is read-only")
+    if name.startswith("SQLITE_CANTOPEN"):
+        return StorageError("could not open the memory database file")
+    return StorageError(f"memory storage operation failed ({name or type(error).__name__})")
+
+
+def _begin_immediate(connection: sqlite3.Connection, deadline: float | None = None) -> None:
+    """`BEGIN IMMEDIATE`, retrying every millisecond until `deadline` (`time.monotonic()`;
+    the busy timeout from now when None).
+
+    SQLite's own busy handler backs off to 100 ms sleeps, so under steady contention a waiting
+    writer keeps missing the short gaps between other writers' transactions and can starve
+    past the timeout. Polling briefly gives every process a fair chance at the write lock.
+    Inside the transaction the busy timeout applies again (for COMMIT): the ordinary one, or
+    what is left before `deadline`.
+    """
+    end = time.monotonic() + _BUSY_TIMEOUT_S if deadline is None else deadline
+    connection.execute("PRAGMA busy_timeout = 0")
+    try:
+        while True:
+            try:
+                connection.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as error:
+                busy = getattr(error, "sqlite_errorname", "").startswith("SQLITE_BUSY")
+                if not busy or time.monotonic() >= end:
+                    raise
+            time.sleep(0.001)
+    finally:
+        left = _BUSY_TIMEOUT_S if deadline is None else max(0.001, end - time.monotonic())
+        connection.execute(f"PRAGMA busy_timeout = {int(left * 1000)}")
+
+
+def _file_identity(path: str) -> tuple[int, int] | None:
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return (status.st_dev, status.st_ino)
+
+
+# The database file and the sidecars SQLite may keep beside it, as `stats` names them.
+_FILES: Final = {
+    "main": "", "journal": "-journal", "wal": "-wal", "shm": "-shm", "cache": _CACHE_SUFFIX,
+    "team": _LINKS_SUFFIX,
+}  # fmt: skip
+
+
+def _open_to_others(path: str) -> bool:
+    """Whether group or others may read or write `path` (what `tactmem stats` warns about)."""
+    try:
+        return bool(os.stat(path).st_mode & 0o066)
+    except OSError:
+        return False
+
+
+# The tables of a file, and those of a new store (`_remove_if_new`).
+_TABLES: Final = "SELECT name FROM sqlite_schema WHERE type = 'table'"
+_MEMORY_TABLES: Final = frozenset(("memories", "memory_metadata"))
+
+
+def _schema_version(connection: sqlite3.Connection) -> int:
+    """The file's `user_version`: 0 (a new file) or 1; anything else is refused."""
+    (found,) = connection.execute("PRAGMA user_version").fetchone()
+    if found not in (0, _SCHEMA_VERSION):
+        raise UnsupportedSchema(found)
+    return int(found)
+
+
+def _text(data: bytes) -> str | bytes:
+    """TEXT as `str`; bytes that are not UTF-8 (a foreign writer's) stay bytes, which
+    `_hidden` hides, instead of failing the whole query."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return data
+
+
+def _schema_objects(connection: sqlite3.Connection) -> set[tuple[object, object, object]]:
+    """Every schema object as `(type, name, SQL with each run of white space one space)`: only
+    SQLite's five white-space characters, since it reads any other as part of a word."""
+    rows = connection.execute("SELECT type, name, sql FROM sqlite_schema")
+    return {
+        (kind, name, _SQL_SPACE.sub(" ", sql).strip(" ") if isinstance(sql, str) else sql)
+        for kind, name, sql in rows
+    }
+
+
+@functools.cache
+def _known_objects() -> frozenset[tuple[object, object, object]]:
+    """The schema objects tactmem and Tact create (the same text, white space aside), as
+    SQLite itself records them: `_SCHEMA` run on an empty in-memory database, the old index,
+    and the statistics table `ANALYZE` adds."""
+    connection = sqlite3.connect(":memory:")
+    try:
+        for statement in (*_SCHEMA, _OLD_PROBATION_INDEX, "ANALYZE"):
+            connection.execute(statement)
+        return frozenset(_schema_objects(connection))
+    finally:
+        connection.close()
+
+
+def _check_file(connection: sqlite3.Connection) -> int:
+    """The file's `user_version` (see `_schema_version`), once its text encoding and every
+    schema object are checked: a file holding an object tactmem did not create is refused (a
+    trigger or view would run on tactmem's own writes, a changed table breaks its rules, and a
+    file with another application's tables is not a memory store), and so is UTF-16 text,
+    whose stored lengths would not be the UTF-8 bytes the bounds count."""
+    found = _schema_version(connection)
+    for kind, _, _ in _schema_objects(connection) - _known_objects():
+        kind = kind if kind in ("table", "index", "view", "trigger") else "schema object"
+        raise StorageError(f"memory database file holds a {kind} tactmem did not create")
+    if connection.execute("PRAGMA encoding").fetchone() != ("UTF-8",):
+        raise StorageError("memory database file does not hold UTF-8 text")
+    return found
+
+
+def _open(path: str, limits: Limits, **options: Any) -> sqlite3.Connection:
+    """A connection that does not trust the file: no value longer than the page budget (a
+    planted generated column could ask for gigabytes while the schema loads), no function
+    with side effects run from the schema, and text that is not UTF-8 kept as bytes."""
+    connection: sqlite3.Connection = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_S, **options)
+    connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max(limits.database_bytes, 1 << 20))
+    connection.text_factory = _text
+    try:
+        connection.execute("PRAGMA trusted_schema = OFF")
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
+def _inspect(path: str, limits: Limits) -> None:
+    """`_check_file` through a read-only connection first, so that a refused file is never
+    written, not even by SQLite checkpointing a WAL file's frames as it closes. A file with a
+    hot journal cannot be read read-only; the read-write connection recovers it (as any SQLite
+    writer does, which is how a crashed tactmem write is undone) and checks it after."""
+    name = os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+    try:
+        with open(path, "rb") as file:  # a WAL file with no log: read as it is, leaving no -shm
+            settled = file.read(20)[18:] == b"\x02\x02" and not os.path.exists(path + "-wal")
+    except OSError:
+        raise StorageError("could not open the memory database file") from None
+    connection = _open(f"file:{name}?mode=ro{'&immutable=1' * settled}", limits, uri=True)
+    try:
+        _check_file(connection)
+    except sqlite3.OperationalError as error:
+        if not getattr(error, "sqlite_errorname", "").startswith("SQLITE_READONLY"):
+            raise
+    finally:
+        connection.close()
+
+
+def _recheck(connection: sqlite3.Connection, cookie: int) -> tuple[int, int]:
+    """The file's `user_version` and `PRAGMA schema_version`, the whole file checked again
+    (`_check_file`) only when its schema changed since `cookie`."""
+    (now,) = connection.execute("PRAGMA schema_version").fetchone()
+    return (_schema_version(connection) if now == cookie else _check_file(connection)), now
+
+
+def _connected(path: str, limits: Limits) -> tuple[sqlite3.Connection, int]:
+    """A new connection to the checked file at `path`, its pragmas set and its schema made, and
+    the `PRAGMA schema_version` at which its objects were last checked."""
+    connection = _open(path, limits, isolation_level=None, check_same_thread=False)
+    try:
+        # Checked before anything writes: a refused file stays as it was.
+        _, cookie = _recheck(connection, -1)
+        connection.execute("PRAGMA journal_mode = DELETE")
+        connection.execute(f"PRAGMA page_size = {_PAGE_SIZE_BYTES}")
+        (page_size,) = connection.execute("PRAGMA page_size").fetchone()
+        connection.execute(f"PRAGMA max_page_count = {_max_pages(limits, page_size)}")
+        connection.execute("PRAGMA secure_delete = ON")
+        _begin_immediate(connection)
+        found, cookie = _recheck(connection, cookie)  # another process may have got there first
+        for statement in _SCHEMA:
+            connection.execute(statement)
+        if found == 0:
+            connection.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+        connection.execute("COMMIT")
+    except BaseException:
+        connection.close()
+        raise
+    return connection, cookie
+
+
+def _store_error(error: sqlite3.Error, path: str, limits: Limits) -> TactmemError:
+    """A store operation's SQLite failure (`_storage_error`): SQLITE_FULL is the disk, not the
+    page budget, when the file system has less room than the budget still allows."""
+    failure = _storage_error(error)
+    if not isinstance(failure, DatabaseCapacity):
+        return failure
+    try:
+        room = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        allowed = limits.database_bytes - os.path.getsize(path)
+    except OSError:
+        return failure
+    return DiskFull() if room.f_bavail * room.f_frsize < allowed else failure
+
+
+# ------------------------------------------------------------ the side cache
+# `<database>-cache` keeps `_Derived` by `_digest` for the next process, so that its first scan
+# need not tokenize and check every row again (README, "Decisions"). A header naming this
+# exact build of tactmem (its source's digest) and the Unicode database it reads, then
+# `[digest, hidden, counts]` JSON lines, each after the CRC-32 of its JSON; appended under the
+# database's write lock and rewritten with only live texts when dead ones pile up.
+# Disposable: a file that is missing, too large, of another build or unreadable is ignored,
+# and so is any line whose CRC or shape is wrong.
+
+
+# What ranking reads: the content only of rows whose id, metadata and text `_shown` would
+# accept but for the secret rules (NULL, which `_hidden` hides, for the rest: a row at an id no
+# read can name, of the wrong types, or holding a NUL, `_unstorable`); the corpus hides
+# secret-shaped texts itself. So a scan never offers a card a read would not return.
+_CORPUS_ROWS: Final = "SELECT id, version, CASE WHEN {} THEN content END FROM memories".format(
+    " AND ".join(
+        ["id > 0"]
+        + [f"typeof({name}) = 'integer'" for name in ("version", *_COUNT_FIELDS)]
+        + [f"typeof({name}) IN ('integer', 'null')" for name in _TIME_FIELDS]
+        + ["version > 0", "scan_count >= 0", "use_count >= 0"]
+        + ["instr(CAST(content AS BLOB), X'00') = 0"]
+    )
+)
+
+
+def _cache_bytes(limits: Limits) -> int:
+    """The largest side cache read: far more than any store's texts yield."""
+    return 16 * limits.total_content_bytes + (1 << 20)
+
+
+def _source_stamp(file: int | str) -> tuple[int, int, int]:
+    """What tells one tactmem.py from the next: an upgrade or an edit changes one of these."""
+    info = os.stat(file)
+    return info.st_ino, info.st_size, info.st_mtime_ns
+
+
+try:  # the source this process runs, as imported (`_cache_header`)
+    _IMPORTED_SOURCE: tuple[int, int, int] | None = _source_stamp(__file__)
+except (OSError, NameError):
+    _IMPORTED_SOURCE = None
+
+
+@functools.cache
+def _cache_header() -> bytes | None:
+    """The header naming this build and the Unicode database its tokenizer and secret rules
+    read (every interpreter an agent runs shares the store), or None (no cache) when the
+    source cannot be read, or is not the one imported (an upgrade replaced it since)."""
+    import json
+
+    try:
+        with open(__file__, "rb") as source:
+            if _source_stamp(source.fileno()) != _IMPORTED_SOURCE:
+                return None
+            build = _digest(source.read().decode("utf-8", "surrogateescape"))
+    except (OSError, TypeError, NameError):
+        return None
+    return json.dumps(["tactmem-cache", 1, build, unicodedata.unidata_version]).encode() + b"\n"
+
+
+def _cache_line(body: bytes) -> bytes:
+    """A line of the side cache: the CRC-32 of its JSON, which a torn or scribbled line fails."""
+    return b"%08x %s\n" % (binascii.crc32(body), body)
+
+
+def _cache_entries(lines: list[bytes]) -> dict[str, _Derived]:
+    """The entries of the lines whose CRC holds: parsed all at once (several times faster),
+    or one by one when one is not JSON (one nested past the recursion limit, say)."""
+    import json
+
+    bodies = [line[9:] for line in lines if line[:9] == b"%08x " % binascii.crc32(line[9:])]
+    try:
+        entries = json.loads(b"[" + b",".join(bodies) + b"]")
+    except (ValueError, RecursionError):
+        entries = []
+        for body in bodies:
+            with contextlib.suppress(ValueError, RecursionError):
+                entries.append(json.loads(body))
+    return dict(filter(None, map(_cache_entry, entries)))
+
+
+def _cache_entry(entry: object) -> tuple[str, _Derived] | None:
+    """`[digest, hidden, {term: count}]`, every count a whole number a text could have."""
+    if not isinstance(entry, list) or len(entry) != 3:
+        return None
+    digest, hidden, counts = entry
+    if not (isinstance(digest, str) and len(digest) == 32 and type(hidden) is bool):
+        return None
+    if not isinstance(counts, dict) or set(map(type, counts.values())) - {int}:
+        return None
+    if counts and (hidden or not 1 <= min(counts.values()) <= max(counts.values()) <= 1 << 20):
+        return None  # a hidden text's terms are kept nowhere
+    return digest, (hidden, counts)
+
+
+def _without_waiting(path: str, flags: int) -> int:
+    """The side cache's `open`: never through a link, never waiting for a FIFO's writer."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def _load_cache(path: str, limits: Limits) -> tuple[dict[str, _Derived], int]:
+    """The entries of the side cache and its line count (too many to keep appending to when
+    it is not this build's, so the next write rewrites it)."""
+    header = _cache_header()
+    try:
+        with open(path, "rb", opener=_without_waiting) as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size > _cache_bytes(limits):
+                return {}, sys.maxsize
+            lines = file.read(_cache_bytes(limits) + 1).split(b"\n")
+    except OSError:
+        return {}, 0
+    if header is None or lines[0] + b"\n" != header:
+        return {}, sys.maxsize
+    return _cache_entries(lines[1:]), len(lines)
+
+
+def _write_cache(path: str, entries: Mapping[str, _Derived], *, rewrite: bool) -> None:
+    """Append these entries to the side cache (with a header when it is new), or rewrite it
+    with only them; best effort: a failure leaves, at worst, a cache the next load ignores."""
+    import json
+
+    header = _cache_header()
+    if header is None:
+        return
+    lines = b"".join(  # a lone surrogate, which only a forged line has, as json.loads reads it
+        _cache_line(
+            json.dumps([digest, hidden, counts], ensure_ascii=False).encode(errors="surrogatepass")
+        )
+        for digest, (hidden, counts) in entries.items()
+    )
+    target = path + ".tmp" if rewrite else path
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # `_without_waiting`
+    flags |= os.O_TRUNC if rewrite else os.O_APPEND
+    with contextlib.suppress(OSError):
+        descriptor = os.open(target, flags, 0o600)
+        try:
+            info = os.fstat(descriptor)
+            if not stat.S_ISREG(info.st_mode):  # a FIFO or a device: never written to
+                return
+            size = info.st_size
+            if size and os.pread(descriptor, len(header), 0) != header:
+                return  # another build's (which would trust what this one adds) or a foreign file
+            torn = size and os.pread(descriptor, 1, size - 1) != b"\n"  # then a line of its own
+            os.write(descriptor, b"\n" + lines if torn else lines if size else header + lines)
+        finally:
+            os.close(descriptor)
+        if rewrite:
+            os.replace(target, path)
+
+
+class _Statistics:
+    """A store's token statistics (`_Corpus`) and what it knows of its side cache at `path`,
+    brought up to date with the rows only when they changed (`PRAGMA data_version`)."""
+
+    def __init__(self, path: str, limits: Limits) -> None:
+        self.path, self.limits = path, limits
+        self.corpus = _Corpus()
+        self.stale = True  # the rows may have changed since `sync` last looked
+        self._data_version = -1
+        self._known: dict[str, _Derived] | None = None  # the side cache's entries, once loaded
+        self._lines = 0  # in the side cache's file
+
+    def sync(self, connection: sqlite3.Connection) -> None:
+        """Bring the token statistics up to date with the rows, re-tokenizing only changes
+        and texts the side cache does not know; tell the cache what was worked out."""
+        (data_version,) = connection.execute("PRAGMA data_version").fetchone()
+        if not self.stale and data_version == self._data_version:
+            return
+        if self._known is None:
+            self._known, self._lines = _load_cache(self.path, self.limits)
+        new = self.corpus.update(connection.execute(_CORPUS_ROWS).fetchall(), self._known)
+        self._data_version = data_version
+        self.stale = False
+        if not new:
+            return
+        self._known.update(new)
+        live = set(self.corpus.digests.values())
+        if self._lines + len(new) > 2 * len(live) + 64:  # mostly dead lines: start over
+            self._known = {digest: self._known[digest] for digest in live}
+            _write_cache(self.path, self._known, rewrite=True)
+            self._lines = len(self._known) + 1
+        else:
+            _write_cache(self.path, new, rewrite=False)
+            self._lines += len(new)
+
+    def forget(self, connection: sqlite3.Connection) -> None:
+        """The side cache called a secret-shaped text clean: delete it, and work out every
+        row's statistics again without it."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        self.corpus, self._known, self._lines, self.stale = _Corpus(), {}, 0, True
+        self.sync(connection)
+
+
+# ------------------------------------------------------------ the SQLite store
+
+# The rows `_expired` may name: a deadline passed is necessary (NULL, text and blobs never are).
+_PRUNABLE: Final = (
+    "SELECT id, use_count, probation_until_ms FROM memories WHERE probation_until_ms <= ?"
+)
+# `_Totals` in one pass over the rows: what a store counts and when its first probation ends
+# (the rows `_PRUNABLE` will find: a number, on an unread row).
+_TOTALS: Final = (
+    "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0), MIN(CASE WHEN"
+    " use_count = 0 AND typeof(probation_until_ms) IN ('integer', 'real')"
+    " THEN probation_until_ms END) FROM memories"
+)
+# The allocator's next id, never one a row had before (two index lookups).
+_NEXT_ID: Final = (
+    "SELECT MAX(COALESCE((SELECT MAX(id) FROM memories), 0) + 1,"
+    " (SELECT MAX(next_id) FROM memory_metadata))"
+)
+# What a put reads for its `_PutState` besides the totals and the next id: the row with the
+# same identity; the replaced row's version, bytes and creation time.
+_PUT_READS: Final = (
+    "SELECT id FROM memories WHERE normalized_identity = ?",
+    "SELECT version, COALESCE(length(CAST(content AS BLOB)), 0), created_at_ms FROM memories"
+    " WHERE id = ?",
+)
+_RECORD_COLUMNS: Final = (
+    "id, version, content, created_at_ms, updated_at_ms, last_scanned_at_ms, scan_count,"
+    " last_used_at_ms, use_count, probation_until_ms"
+)
+# A `_PutPlan` written: an insert leaves the telemetry columns at their defaults (the fresh
+# telemetry `_plan_put` gives every record); an update sets every column but the id (the
+# creation time too, which `_plan_put` keeps, or mends when a foreign writer broke it).
+_INSERT: Final = (
+    "INSERT INTO memories (id, version, content, normalized_identity, created_at_ms,"
+    " updated_at_ms, probation_until_ms) VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_UPDATE: Final = (
+    "UPDATE memories SET version = ?, content = ?, normalized_identity = ?, created_at_ms = ?,"
+    " updated_at_ms = ?, last_scanned_at_ms = ?, scan_count = ?, last_used_at_ms = ?,"
+    " use_count = ?, probation_until_ms = ? WHERE id = ?"
+)
+# A scan's telemetry: `scan_count` saturates at the largest integer, as `_plan_read`'s
+# `use_count` does (SQLite's `+` would make it a float, which `_shown` hides).
+_MARK_SCANNED: Final = (
+    "UPDATE memories SET last_scanned_at_ms = ?,"
+    f" scan_count = MIN(scan_count, {_MAX_SQL_INT - 1}) + 1 WHERE id = ?"
+)
+# A read's telemetry, as `_plan_read` worked it out.
+_MARK_READ: Final = (
+    "UPDATE memories SET last_used_at_ms = ?, use_count = ?, probation_until_ms = ? WHERE id = ?"
+)
+# What a delete reads: the version and the size of the row at the id (NULLs when there is none).
+_DELETE_READS: Final = (
+    "SELECT (SELECT version FROM memories WHERE id = ?),"
+    " (SELECT length(CAST(content AS BLOB)) FROM memories WHERE id = ?)"
+)
+_SQL_CHUNK: Final = 500  # ids bound per `IN (...)`, under every SQLite variable limit
+# What a merge and a restore read for their `_Batch` besides `_TOTALS` and `_NEXT_ID`.
+_IDENTITIES: Final = "SELECT normalized_identity FROM memories"
+
+
+class _Made(NamedTuple):
+    """What `_prepare_file` created: the directories, outermost first, and the file (None when
+    it was there already). A first use that fails takes them away again (`_unmake`)."""
+
+    directories: list[str]
+    file: str | None = None
+
+
+def _prepare_file(path: str) -> _Made:
+    """Create every missing directory on the way 0700 and a missing database file 0600,
+    whatever the umask; a dangling symlink gets its target created 0600. Anything but a
+    regular file at the path (a directory, a device, a FIFO) is refused before SQLite opens
+    it, so no journal is ever made beside `/dev/null`. A failure leaves nothing it made."""
+    made = _Made([])
+    try:
+        missing, parent = [], os.path.dirname(os.path.abspath(path))
+        while not os.path.isdir(parent) and parent != os.path.dirname(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        for directory in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # another process got there first
+                os.mkdir(directory, 0o700)
+                made.directories.append(directory)
+                os.chmod(directory, 0o700)  # exactly 0700, not what the umask left of it
+        dangling = os.path.islink(path) and not os.path.exists(path)
+        target = os.path.realpath(path) if dangling else path
+        with contextlib.suppress(FileExistsError):  # an existing file is left alone
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            made = made._replace(file=target)
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in the path
+        _unmake(made, _DEFAULT_LIMITS)
+        raise StorageError("could not prepare the memory directory") from None
+    if not regular:
+        raise StorageError("could not open the memory database file")
+    return made
+
+
+def _unmake(made: _Made, limits: Limits) -> None:
+    """Take away what `_prepare_file` made for a first use that failed: the file, unless it
+    holds something by now (`_remove_if_new`), then each directory made that is still empty."""
+    if made.file is not None and not _remove_if_new(made.file, limits):
+        return  # another process uses it: it and its directories stay
+    for directory in reversed(made.directories):
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+def _remove_if_new(path: str, limits: Limits) -> bool:
+    """Remove a database file that holds no schema, or only tactmem's empty one with no id
+    handed out, under the write lock, so that no other process has written to it (one that
+    opened it meanwhile gets SQLite's read-only error, never a write into a removed file).
+    Whether it is gone; a file that cannot be checked stays."""
+    try:
+        connection = _open(path, limits, isolation_level=None)
+    except sqlite3.Error:
+        return False
+    try:
+        _begin_immediate(connection)
+        tables = {name for (name,) in connection.execute(_TABLES)}
+        if tables and (tables != _MEMORY_TABLES or _read_batch(connection) != _NEW_STORE):
+            return False
+        os.unlink(path)
+        return True
+    except (sqlite3.Error, OSError):
+        return False
+    finally:
+        connection.close()
+
+
+def _records(connection: sqlite3.Connection, ids: Sequence[int]) -> Iterator[Record]:
+    for start in range(0, len(ids), _SQL_CHUNK):
+        chunk = ids[start : start + _SQL_CHUNK]
+        marks = ",".join("?" * len(chunk))
+        query = f"SELECT {_RECORD_COLUMNS} FROM memories WHERE id IN ({marks})"
+        yield from map(Record.from_row, connection.execute(query, chunk))
+
+
+def _read_batch(connection: sqlite3.Connection) -> _Batch:
+    rows, size, _ = connection.execute(_TOTALS).fetchone()
+    (next_id,) = connection.execute(_NEXT_ID).fetchone()
+    return _Batch(rows, size, next_id, frozenset(row[0] for row in connection.execute(_IDENTITIES)))
+
+
+class Store:
+    """The memory store at one SQLite file, the default `Backend`. Thread-safe; nothing touches
+    disk until the first operation, and only a `TactmemError` ever leaves one. Each operation is
+    one `BEGIN IMMEDIATE` on a connection kept open for the life of the store (read what the
+    plan needs, ask the core, write the plan, commit); token statistics are cached and refreshed
+    only for rows changed since (`PRAGMA data_version`)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, limits: Limits = _DEFAULT_LIMITS) -> None:
+        self.path = os.path.expanduser(os.fspath(path))
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._connection: sqlite3.Connection | None = None
+        self._file: tuple[int, int] | None = None
+        self._schema_cookie = -1  # `PRAGMA schema_version` when the objects were last checked
+        self._statistics = _Statistics(self.path + _CACHE_SUFFIX, limits)
+        # The totals as this connection's last commit left them, while no other has committed
+        # since (`PRAGMA data_version` still `_seen_version`); None when unknown.
+        self._totals: _Totals | None = None
+        self._seen_version = -1
+        self._made: _Made | None = None  # what this store's first use made, until it commits
+
+    def __repr__(self) -> str:
+        return f"Store({self.path!r}, limits={self.limits!r})"
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection; the next operation opens it again."""
+        with self._lock:
+            self._close_connection()
+
+    def _close_connection(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+        self._changed()
+
+    def _changed(self, totals: _Totals | None = None) -> None:
+        """The rows changed (or may have): the statistics are stale; the totals after the
+        change when known."""
+        self._statistics.stale, self._totals = True, totals
+
+    # -------------------------------------------------------------------- operations
+
+    def scan(
+        self,
+        query: str,
+        *,
+        limit: int = _DEFAULT_LIMITS.scan_results,
+        min_coverage: float = 0.0,
+        now_ms: int | None = None,
+    ) -> ScanResult:
+        """Rank visible records, leaving out those whose coverage is below `min_coverage`; only
+        the returned candidates get scan telemetry."""
+        terms, floor = _scan_terms(query, self.limits), _check_min_coverage(min_coverage)
+        now = _now_ms(now_ms)
+        statistics = self._statistics
+        with self._transaction(prune_at=now) as connection:
+            statistics.sync(connection)
+            plan = _plan_scan(statistics.corpus, terms, limit, self.limits, floor)
+            if not statistics.corpus.confirm(plan.scanned):
+                statistics.forget(connection)
+                plan = _plan_scan(statistics.corpus, terms, limit, self.limits, floor)
+            connection.executemany(_MARK_SCANNED, [(now, doc_id) for doc_id in plan.scanned])
+        return plan.result
+
+    def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
+        """Full records in input order, de-duplicated, missing ones omitted; marks them used."""
+        wanted, now = _read_ids(ids, self.limits), _now_ms(now_ms)
+        with self._transaction(prune_at=now) as connection:
+            records = _plan_read(wanted, _records(connection, wanted), now)
+            connection.executemany(
+                _MARK_READ,
+                [(r.last_used_at_ms, r.use_count, r.probation_until_ms, r.key.id) for r in records],
+            )
+        return records
+
+    def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
+        """Add a conclusion, or replace the record at `replace` if its version still matches."""
+        put = _check_put(content, replace, self.limits, _now_ms(now_ms))
+        target = (replace.id,) if replace is not None and _addressable(replace.id) else None
+        duplicate, replaced = _PUT_READS
+        with self._transaction(prune_at=put.now_ms) as connection:
+            totals = self._totals
+            assert totals is not None  # the prune leaves them known
+            (next_id,) = connection.execute(_NEXT_ID).fetchone()
+            (same,) = connection.execute(duplicate, (put.identity,)).fetchone() or (None,)
+            old = connection.execute(replaced, target).fetchone() if target else None
+            state = _PutState(
+                totals.rows, totals.content_bytes, next_id, same, *(old or (None, 0, 0))
+            )
+            plan = _plan_put(put, state, self.limits)
+            new = plan.record
+            common = (new.key.version, new.content, put.identity)
+            if plan.insert:
+                times = (new.created_at_ms, new.updated_at_ms, new.probation_until_ms)
+                connection.execute(_INSERT, (new.key.id, *common, *times))
+            else:  # the times, then the telemetry: every field from the third on
+                changed = attrs.astuple(new, recurse=False)[2:]
+                connection.execute(_UPDATE, (*common, *changed, new.key.id))
+            self._changed(totals.after_put(plan, state, put.size))
+        return plan.record
+
+    def delete(self, key: Key, *, now_ms: int | None = None) -> None:
+        """Remove the record at `key` if its version still matches. Never prunes."""
+        del now_ms  # delete records no time; the parameter keeps the API uniform
+        target = key.id if _addressable(key.id) else None
+        with self._transaction() as connection:
+            version, size = connection.execute(_DELETE_READS, (target, target)).fetchone()
+            _check_version(key, version)
+            connection.execute("DELETE FROM memories WHERE id = ?", (key.id,))
+            self._changed(self._totals and self._totals.after_delete(size))
+
+    def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]:
+        """Every visible record by id, without telemetry. Expired probation is pruned first."""
+        with self._transaction(prune_at=_now_ms(now_ms)) as connection:
+            rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
+            records = list(map(Record.from_row, rows))
+        return tuple(filter(_shown, records))
+
+    # -------------------------------------------------------------------- plumbing
+
+    @contextlib.contextmanager
+    def _transaction(
+        self, *, prune_at: int | None = None, commit: bool = True
+    ) -> Iterator[sqlite3.Connection]:
+        """One `BEGIN IMMEDIATE` ... `COMMIT` (`ROLLBACK` without `commit`), first pruning the
+        rows `_expired` names at `prune_at` when it is given; any failure rolls everything
+        back."""
+        with self._lock, self._as_it_was(keep=commit):
+            try:
+                connection = self._locked()
+                try:
+                    # Another process may have changed the file.
+                    _, self._schema_cookie = _recheck(connection, self._schema_cookie)
+                    (data_version,) = connection.execute("PRAGMA data_version").fetchone()
+                    if data_version != self._seen_version:  # another connection committed
+                        self._totals = None
+                    if prune_at is not None:
+                        self._prune(connection, prune_at)
+                    yield connection
+                    connection.execute("COMMIT" if commit else "ROLLBACK")
+                    self._seen_version = data_version  # a connection's own commits keep it
+                    if not commit:  # a prune rolled back too
+                        self._totals = None
+                except BaseException:
+                    self._changed()
+                    if connection.in_transaction:  # SQLITE_FULL may have rolled back already
+                        connection.execute("ROLLBACK")
+                    raise
+            except UnicodeDecodeError:  # SQLite's message quoting a schema name that is not UTF-8
+                raise StorageError(_DAMAGED) from None
+            except sqlite3.Error as error:
+                raise _store_error(error, self.path, self.limits) from None
+
+    @contextlib.contextmanager
+    def _as_it_was(self, *, keep: bool) -> Iterator[None]:
+        """Run an operation. When the file did not exist before it, the file and directories
+        it made stay only if it succeeds and is kept (`keep`: not a dry run); otherwise they
+        are taken away (`_unmake`), so a failed first use leaves the file system as it was."""
+        kept = False
+        try:
+            yield
+            kept = keep
+        finally:
+            made, self._made = self._made, None
+            if made is not None and not kept:
+                self._close_connection()
+                _unmake(made, self.limits)
+
+    def _connect(self) -> sqlite3.Connection:
+        """The open connection, or a new one if there is none or the file was replaced."""
+        if self._connection is not None:
+            if _file_identity(self.path) == self._file:
+                return self._connection
+            self._close_connection()
+        made = _prepare_file(self.path)
+        if made.directories or made.file:  # a first use: undone if it fails (`_as_it_was`)
+            self._made = made
+        _inspect(self.path, self.limits)
+        identity = _file_identity(self.path)  # taken first: a file replaced after it is reopened
+        self._connection, self._schema_cookie = _connected(self.path, self.limits)
+        self._file, self._seen_version = identity, -1
+        self._changed()
+        return self._connection
+
+    def _locked(self) -> sqlite3.Connection:
+        """The connection in `BEGIN IMMEDIATE`, on the file now at the path: one removed or
+        replaced while this waited for the lock (another store's failed first use takes its
+        file away, `_unmake`) is opened anew, instead of failing as SQLite's read-only."""
+        connection = self._connect()
+        _begin_immediate(connection)
+        while _file_identity(self.path) != self._file:
+            connection.execute("ROLLBACK")
+            self._close_connection()
+            connection = self._connect()
+            _begin_immediate(connection)
+        return connection
+
+    def _prune(self, connection: sqlite3.Connection, now_ms: int) -> None:
+        """Drop what `_expired` names, passing over the rows only when the totals are unknown
+        or say a probation may have ended; the totals are known after."""
+        if self._totals is not None and not self._totals.due(now_ms):
+            return
+        rows = connection.execute(_PRUNABLE, (now_ms,)).fetchall()
+        expired = [(doc_id,) for doc_id, uses, until in rows if _expired(uses, until, now_ms)]
+        if expired:
+            connection.executemany("DELETE FROM memories WHERE id = ?", expired)
+            self._statistics.stale = True
+        self._totals = _Totals(*connection.execute(_TOTALS).fetchone())
+
+
+def _stats(store: Store, *, now_ms: int | None = None) -> dict[str, Any]:
+    """Usage against every bound (for `tactmem stats`); prunes like `list`."""
+    with store._transaction(prune_at=_now_ms(now_ms)) as connection:
+        rows = connection.execute(
+            f"SELECT COALESCE(length(CAST(content AS BLOB)), 0), {_RECORD_COLUMNS} FROM memories"
+        ).fetchall()
+        (pages,) = connection.execute("PRAGMA page_count").fetchone()
+        (page_size,) = connection.execute("PRAGMA page_size").fetchone()
+    path, real = os.path.abspath(store.path), os.path.realpath(store.path)  # and a link's
+    places = dict.fromkeys((path, os.path.dirname(path), real, os.path.dirname(real)))
+    sizes = {}
+    for name, suffix in _FILES.items():  # the main file and its sidecars
+        with contextlib.suppress(OSError):
+            sizes[name] = os.path.getsize(store.path + suffix)
+    return {
+        "path": store.path,
+        "open_to_others": list(filter(_open_to_others, places)),
+        "records": len(rows),
+        "hidden_records": sum(not _shown(Record.from_row(row[1:])) for row in rows),
+        "probation_records": sum(row[-1] is not None for row in rows),
+        "content_bytes": sum(row[0] for row in rows),
+        "database_bytes": pages * page_size,
+        "file_bytes": sizes,
+        "limits": attrs.asdict(store.limits),
+    }
+
+
+# ------------------------------------------------------------ the memory tool over a store
+
+
+def _execute(store: Backend, request: _Request, now_ms: int, min_coverage: float = 0.0) -> Any:
+    """Carry out a checked request on any backend: its result, or the key it deleted."""
+    if request.operation == "scan":  # a backend without `min_coverage` serves the default
+        floor = {"min_coverage": min_coverage} if min_coverage else {}
+        return store.scan(request.query, limit=request.limit, now_ms=now_ms, **floor)
+    if request.operation == "read":  # by id (the default), and in team memory by key
+        found = store.read(request.ids, now_ms=now_ms) if request.ids or not request.keys else ()
+        if request.keys:
+            assert isinstance(store, TeamBackend)  # `MemoryTool(team=True)` made sure, or `main`
+            found += store.read_keys(request.keys)
+        return found
+    if request.operation == "put":
+        return store.put(request.content, replace=request.key, now_ms=now_ms)
+    assert request.key is not None
+    store.delete(request.key, now_ms=now_ms)
+    return request.key
+
+
+class MemoryTool:
+    """The `memory` tool for one agent: strict requests in, the reference's JSON shapes out.
+
+    `call` never raises for bad input: every failure becomes
+    `{"error": {"code": ..., "message": ...}}` and changes nothing. Only a root agent may put
+    or delete, and a put needs a successful scan since this tool's last put attempt. Scans
+    leave out candidates whose coverage is below `min_coverage` (0: none). `team=True` serves
+    team memory (a `TeamBackend`): `read` takes the keys scan returned (`tool_definition`).
+    """
+
+    def __init__(
+        self, store: Backend, *, root: bool, min_coverage: float = 0.0, team: bool = False
+    ) -> None:
+        if team and not isinstance(store, TeamBackend):
+            raise TypeError("MemoryTool(team=True) needs a TeamBackend, such as a RemoteStore")
+        self.store = store
+        self.root = root
+        self.team = team
+        self.min_coverage = _check_min_coverage(min_coverage)
+        self._lock = threading.Lock()
+        self._scanned = False
+
+    def call(
+        self, arguments: Mapping[str, Any] | str, *, now_ms: int | None = None
+    ) -> dict[str, Any]:
+        """Run one tool call; `arguments` is the decoded JSON object or its JSON text."""
+        try:
+            request = _parse_request(arguments, self.store.limits, team=self.team)
+            with self._lock:
+                return self._run(request, _now_ms(now_ms))
+        except TactmemError as error:
+            return _error_answer(error)
+
+    def _run(self, request: _Request, now: int) -> dict[str, Any]:
+        if request.operation in ("put", "delete") and not self.root:
+            raise NotRoot()
+        if request.operation == "put":
+            scanned, self._scanned = self._scanned, False  # every put attempt needs a new scan
+            if not scanned:
+                raise ScanRequired()
+        value = _execute(self.store, request, now, self.min_coverage)
+        if request.operation == "scan":
+            self._scanned = True
+        return _answer(request, value)
+
+
+# ------------------------------------------------------------ config files
+
+_REMOTE_TOKEN: Final = re.compile(r"[A-Za-z0-9._~+/=-]{1,4096}")
+_LOOPBACK: Final = frozenset(("127.0.0.1", "localhost", "::1"))
+
+
+def resolve_config_path(
+    explicit: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
+) -> str:
+    """The config file: `--config`, then `TACT_CONFIG`, `$TACT_HOME/config.toml`, `~/.tact/`."""
+    env = os.environ if environ is None else environ
+    if explicit is not None and not os.fspath(explicit):
+        raise ConfigError("--config needs the path of a config file")
+    chosen = os.fspath(explicit) if explicit is not None else env.get("TACT_CONFIG", "")
+    if chosen:
+        return os.path.abspath(chosen)
+    if env.get("TACT_HOME"):
+        return os.path.abspath(os.path.join(env["TACT_HOME"], "config.toml"))
+    home = env.get("HOME") or env.get("USERPROFILE")
+    if not home:
+        raise ConfigError(
+            "could not determine the config directory; set TACT_HOME or pass --config"
+        )
+    return os.path.join(home, ".tact", "config.toml")
+
+
+def memory_db_path(config_path: str | os.PathLike[str]) -> str:
+    """The one memory database of a configuration: `<config-dir>/memory/v1.sqlite3`."""
+    return os.path.join(os.path.dirname(os.path.abspath(config_path)), "memory", "v1.sqlite3")
+
+
+_CONFIG_BYTES: Final = 65_536  # a config file holds one table with one key
+
+
+def _read_small_file(path: str, limit: int) -> bytes | None:
+    """At most `limit + 1` bytes of a regular file, or None if `path` names something else (a
+    directory, a device such as `/dev/zero`, a FIFO: opened without blocking, so a FIFO with no
+    writer is refused instead of waited on). Raises `OSError`, or `ValueError` for a name no
+    file can have (a NUL, a lone surrogate)."""
+    import stat
+
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        with open(descriptor, "rb", closefd=False) as file:
+            return file.read(limit + 1)
+    finally:
+        os.close(descriptor)
+
+
+def load_config(
+    explicit: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
+) -> Config:
+    """Read the selected config file; a missing implicit file means the defaults. Only a
+    regular file of at most `_CONFIG_BYTES` is read."""
+    env = os.environ if environ is None else environ
+    path = resolve_config_path(explicit, environ=env)
+    try:
+        data = _read_small_file(path, _CONFIG_BYTES)
+    except FileNotFoundError:
+        if explicit is not None or env.get("TACT_CONFIG"):
+            raise ConfigError(f"config file not found: {path}") from None
+        return Config(path)
+    except OSError:
+        raise ConfigError(f"could not read the config file {path}") from None
+    except ValueError:
+        raise ConfigError("the config file's name is one no file can have") from None
+    if data is None:
+        raise ConfigError(f"the config file {path} is not a regular file")
+    if len(data) > _CONFIG_BYTES:
+        raise ConfigError(f"the config file {path} is larger than {_CONFIG_BYTES} bytes")
+    config = _parse_config(path, data)
+    if config.remote is not None:
+        _check_private(path)
+    return config
+
+
+def _parse_config(path: str, data: bytes) -> Config:
+    import tomllib  # only the commands that read a config pay for it
+
+    try:
+        document = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        # tomllib's message can quote a key or value from the file: name only where it is
+        place = re.search(r"at line \d+, column \d+|at end of document", str(error))
+        where = place.group() if place else "not UTF-8"
+        raise ConfigError(f"config file {path} is not valid TOML ({where})") from None
+    except RecursionError:  # arrays or inline tables nested thousands deep
+        raise ConfigError(f"config file {path} is not valid TOML (nested too deeply)") from None
+    memory = document.get("memory", {})
+    if not isinstance(memory, dict):
+        raise ConfigError(f"[memory] in {path} must be a table")
+    for name in memory:
+        if name not in ("enabled", "remote"):
+            raise ConfigError(f"unknown key in [memory] of {path}: {_field_label(name)}")
+    enabled = memory.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"memory.enabled in {path} must be true or false")
+    return Config(path, memory_enabled=enabled, remote=_remote_config(path, memory))
+
+
+# `[memory.remote]`: each key, and what it must hold (an empty value: not set).
+_REMOTE_KEYS: Final[dict[str, tuple[type, str]]] = {
+    "endpoint": (str, "a string"), "namespace": (str, "a string"),
+    "bearer_token": (str, "a string"), "workspace_roots": (list, "a list of paths"),
+}  # fmt: skip
+
+
+def _remote_config(path: str, memory: Mapping[str, Any]) -> RemoteConfig | None:
+    """`[memory.remote]` as the original reads it: absent or all empty is no team memory;
+    otherwise every key is required. Messages never hold the token or the endpoint."""
+    remote = memory.get("remote", {})
+    if not isinstance(remote, dict):
+        raise ConfigError(f"[memory.remote] in {path} must be a table")
+    for name, value in remote.items():
+        if name not in _REMOTE_KEYS:
+            raise ConfigError(f"unknown key in [memory.remote] of {path}: {_field_label(name)}")
+        kind, wanted = _REMOTE_KEYS[name]
+        values: list[object] = value if isinstance(value, list) else [value]
+        if not isinstance(value, kind) or not all(map(_is_text, values)):
+            raise ConfigError(f"memory.remote.{name} in {path} must be {wanted}")
+    if not any(remote.values()):
+        return None
+    if not all(remote.get(name) for name in _REMOTE_KEYS):
+        raise ConfigError(
+            f"[memory.remote] in {path} needs an endpoint, namespace, bearer_token and at least"
+            " one workspace root"
+        )
+    base = os.path.dirname(path)
+    roots = tuple(
+        os.path.join(base, os.path.expanduser(root)) for root in remote["workspace_roots"]
+    )
+    endpoint, namespace = _check_endpoint(remote["endpoint"]), _check_namespace(remote["namespace"])
+    return RemoteConfig(endpoint, namespace, _check_token(remote["bearer_token"]), roots)
+
+
+def _check_private(path: str) -> None:
+    """A config that holds a bearer token must be readable by its owner only (mode 0600)."""
+    mode = os.stat(path).st_mode & 0o777
+    if mode & 0o077:
+        raise ConfigError(
+            f"config file {path} holds a remote memory bearer token but its mode is {mode:#o};"
+            " remove all group and other permissions (chmod 600)"
+        )
+
+
+def _git_common_dir(path: str) -> str | None:
+    """The shared `.git` directory of the repository or linked worktree holding `path`."""
+    for directory in (path, *_parents(path)):
+        dot_git = os.path.join(directory, ".git")
+        if os.path.isdir(dot_git) and not os.path.islink(dot_git):
+            return os.path.realpath(dot_git)
+        if not os.path.isfile(dot_git):
+            continue
+        try:
+            with open(dot_git, encoding="utf-8") as file:
+                line = file.read(4096).strip()
+            if not line.startswith("gitdir: "):
+                return None
+            git_dir = os.path.realpath(os.path.join(directory, line.removeprefix("gitdir: ")))
+            with open(os.path.join(git_dir, "commondir"), encoding="utf-8") as file:
+                return os.path.realpath(os.path.join(git_dir, file.read(4096).strip()))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+    return None
+
+
+def _parents(path: str) -> Iterator[str]:
+    while (parent := os.path.dirname(path)) != path:
+        yield parent
+        path = parent
+
+
+def _in_workspace(remote: RemoteConfig, workspace: str) -> bool:
+    """Whether `workspace` is inside a configured root (canonical paths), or in a linked
+    worktree of a repository inside one. A root that is not a directory is an error."""
+    here = os.path.realpath(workspace)
+    roots = []
+    for root in remote.workspace_roots:
+        canonical = os.path.realpath(root)
+        if not os.path.isdir(canonical):
+            raise ConfigError(f"remote memory workspace root is not a directory: {root}")
+        roots.append(canonical)
+    if any(os.path.commonpath([here, root]) == root for root in roots):
+        return True
+    common = _git_common_dir(here)
+    return common is not None and any(
+        os.path.commonpath([common, root]) == root or _git_common_dir(root) == common
+        for root in roots
+    )
+
+
+def _check_endpoint(endpoint: str) -> str:
+    """The endpoint's base URL, ending in `/`: https, or plain http to this machine only (a
+    token must never cross a network in the clear); no user name or password in it."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(endpoint)
+        host, _ = parts.hostname, parts.port  # a port that is not a number raises
+    except ValueError:
+        raise ConfigError("remote memory endpoint is not a valid URL") from None
+    if parts.scheme not in ("https", "http") or not host or parts.query or parts.fragment:
+        raise ConfigError("remote memory endpoint must be an https:// URL with a host")
+    if "@" in parts.netloc:
+        raise ConfigError("remote memory endpoint must not hold a user name or password")
+    if parts.scheme == "http" and host not in _LOOPBACK:
+        raise ConfigError(
+            "remote memory endpoint must use https (plain http only to 127.0.0.1, localhost, ::1)"
+        )
+    return endpoint if endpoint.endswith("/") else endpoint + "/"
+
+
+def _check_token(token: object) -> str:
+    if not isinstance(token, str) or not _REMOTE_TOKEN.fullmatch(token):
+        raise ConfigError(
+            "remote memory bearer token must be 1 to 4096 characters,"
+            " each a letter, a digit or one of - . _ ~ + / ="
+        )
+    return token
+
+
+def _write_private(name: str, data: bytes, prefix: str = ".tactmem-export-") -> None:
+    """Write a whole file `0600` or nothing: a temporary file beside it, then a rename."""
+    import tempfile
+
+    try:
+        directory = os.path.dirname(os.path.abspath(name))
+        descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=prefix)
+    except ValueError:
+        raise InvalidRequest("the export file's name is one no file can have") from None
+    try:
+        with open(descriptor, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+# ------------------------------------------------------------ MCP glue
+
+# What an MCP request is served: the `memory` tool's definition as the caller sees it, and
+# the function that answers the caller's calls (a `MemoryTool.call`).
+_McpSurface = tuple[dict[str, Any], Callable[[dict[str, Any]], dict[str, Any]]]
+
+
+def _mcp_server(
+    surface: Callable[[Any], _McpSurface], *, instructions: str | None = None, limiter: Any = None
+) -> Any:
+    """The `memory` tool as a low-level server of the official MCP SDK (the `tactmem[mcp]`
+    extra), for any transport: `tactmem mcp` serves it on stdio, `tactmem-server` over
+    streamable HTTP. `surface(context)` picks, per request, what the caller sees and who
+    answers; a call runs in a worker thread (of `limiter`, when given) and its answer travels
+    both as structured content and as JSON text."""
+    import anyio
+    import mcp.types
+    from mcp.server.lowlevel import Server
+
+    async def list_tools(context: object, _params: object) -> mcp.types.ListToolsResult:
+        definition, _ = surface(context)
+        return mcp.types.ListToolsResult(tools=[mcp.types.Tool(**definition)])
+
+    async def call_tool(
+        context: object, params: mcp.types.CallToolRequestParams
+    ) -> mcp.types.CallToolResult:
+        _, answer = surface(context)
+        if params.name != "memory":
+            result = _error_answer(InvalidRequest("unknown tool"))
+        else:
+            arguments = dict(params.arguments or {})
+            result = await anyio.to_thread.run_sync(answer, arguments, limiter=limiter)
+        return mcp.types.CallToolResult(
+            content=[mcp.types.TextContent(type="text", text=_json(result))],
+            structured_content=result,
+            is_error="error" in result,
+        )
+
+    return Server(
+        "tactmem", version=__version__, instructions=instructions,
+        on_list_tools=list_tools, on_call_tool=call_tool,
+    )  # fmt: skip
+
+
+def _serve_mcp(tool: MemoryTool | None, off: TactmemError | None, *, root: bool) -> None:
+    """Serve `tool` over MCP stdio with the official SDK (the `tactmem[mcp]` extra); when
+    memory is `off` (disabled, or the config is broken), a tool that answers every call with
+    that error and touches no store."""
+    try:
+        import anyio
+        from mcp.server.stdio import stdio_server
+    except ImportError:
+        raise TactmemError("tactmem mcp needs the MCP SDK: pip install 'tactmem[mcp]'") from None
+    # Flat: hosts such as Claude Code refuse a top-level oneOf.
+    limits = _DEFAULT_LIMITS if tool is None else tool.store.limits
+    definition = tool_definition(
+        flat=True, root=root, team=tool is not None and tool.team, limits=limits
+    )
+    if off is not None:
+        definition["description"] = f"Disabled: {off}. Every call fails until it is enabled."
+    if tool is None or off is not None:  # no tool is made without an `off` reason
+        surface: _McpSurface = (definition, lambda _: _error_answer(off or ConfigError()))
+    else:
+        surface = (definition, tool.call)
+    server = _mcp_server(lambda _context: surface, instructions=None if off is None else f"{off}.")
+
+    async def serve() -> None:
+        async with stdio_server() as (read_stream, write_stream):
+            await server.run(read_stream, write_stream, server.create_initialization_options())
+
+    anyio.run(serve)
+
+
+# ============================================================ features
+# Optional features, each whole in its section (its pure part first, then its shell part). A
+# feature names the core and the features above it, never one below; the core names none.
+
+
+# ------------------------------------------------------------ export, import and restore (pure)
+# `tactmem export`, `import` and `restore` (README, "Export, import and restore"): a manifest
+# line, then one line per record in the reference's record JSON (§6), ids ascending.
+
+
+def _plan_merge(
+    records: Sequence[tuple[int, Record]], batch: _Batch, limits: Limits, now_ms: int
+) -> tuple[list[tuple[Record, str]], int]:
+    """Merge like Tact's `pull`: in file order, each record checked as a put (`_check_put`),
+    skipped when its identity is in the store or earlier in the file, else planned by
+    `_plan_put` against the store as the inserts before it leave it, so it gets the next id,
+    version 1, fresh probation and no telemetry. Returns the inserts (with their identities)
+    and the number skipped; the first record that breaks a rule or a bound fails the whole
+    batch, naming its line."""
+    seen, inserts = set(batch.identities), list[tuple[Record, str]]()
+    rows, size, next_id = batch.rows, batch.content_bytes, batch.next_id
+    for line, record in records:
+        try:
+            put = _check_put(record.content, None, limits, now_ms)
+            if put.identity in seen:
+                continue
+            state = _PutState(
+                rows=rows, content_bytes=size, next_id=next_id, duplicate_of=None,
+                target_version=None, target_bytes=0, target_created_at_ms=None,
+            )  # fmt: skip
+            new = _plan_put(put, state, limits).record
+        except TactmemError as error:
+            raise _on_line(line, error) from None
+        seen.add(put.identity)
+        inserts.append((new, put.identity))
+        rows, size, next_id = rows + 1, size + put.size, new.key.id + 1
+    return inserts, len(records) - len(inserts)
+
+
+def _plan_restore(
+    records: Sequence[tuple[int, Record]], batch: _Batch, limits: Limits
+) -> list[tuple[Record, str]]:
+    """Restore a backup exactly, ids and all, into a store that never held a record (no row,
+    no id handed out, so no key an agent holds for it can address a restored record). Each
+    record is checked as a put is (content, secret, duplicate, row and byte bounds); the
+    first that fails fails the whole batch, naming its line."""
+    if batch.rows or batch.next_id != 1:
+        raise StoreNotEmpty()
+    seen, restored, size = set[str](), list[tuple[Record, str]](), 0
+    for line, record in records:
+        try:
+            put = _check_put(record.content, None, limits, 0)
+            if put.identity in seen:
+                raise Duplicate()
+            _check_insert(len(restored), size, put.size, limits)
+        except TactmemError as error:
+            raise _on_line(line, error) from None
+        seen.add(put.identity)
+        restored.append((record, put.identity))
+        size += put.size
+    return restored
+
+
+_EXPORT_FORMAT: Final = "tactmem-export"
+_EXPORT_VERSION: Final = 1
+_EXPORT_MANIFEST_BYTES: Final = 4096  # the manifest line: names, a version, numbers, a hash
+_EXPORT_RECORD_BYTES: Final = 512  # a record line's field names and numbers, beside its content
+
+
+def _export_bytes(limits: Limits) -> int:
+    """The largest export a store with `limits` can write: its manifest, and each record's
+    fields and numbers, with its content escaped at worst (six bytes, `\u001f`, for one)."""
+    content = min(limits.total_content_bytes, limits.records * limits.content_bytes)
+    return _EXPORT_MANIFEST_BYTES + limits.records * _EXPORT_RECORD_BYTES + 6 * content
+
+
+def _json_line(value: object) -> str:
+    import json
+
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def _export_file(
+    rows: Sequence[Record], next_id: object, limits: Limits, now_ms: int, version: str
+) -> Export:
+    """The export of a store's rows: every visible one not expired at `now_ms`, by id, after
+    a manifest naming the format, the `version` of tactmem that wrote it, the limits, the
+    counts, the allocator's next id and the SHA-256 of the record lines. The same rows give
+    the same bytes."""
+    import hashlib
+
+    if type(next_id) is not int or not _addressable(next_id):
+        raise StorageError("memory database's id allocator is not a whole number")
+    shown = sorted(filter(_shown, rows), key=lambda record: record.key.id)
+    live = [r for r in shown if not _expired(r.use_count, r.probation_until_ms, now_ms)]
+    body = "".join(_json_line(_to_json(record)) for record in live).encode()
+    size = sum(len(record.content.encode()) for record in live)
+    manifest = {
+        "format": _EXPORT_FORMAT, "format_version": _EXPORT_VERSION,
+        "tactmem_version": version, "limits": attrs.asdict(limits),
+        "records": len(live), "content_bytes": size, "next_id": next_id,
+        "sha256": hashlib.sha256(body).hexdigest(),
+    }  # fmt: skip
+    hidden, expired = len(rows) - len(shown), len(shown) - len(live)
+    return Export(_json_line(manifest).encode() + body, len(live), size, next_id, hidden, expired)
+
+
+def _short_int(text: str) -> int:
+    """A JSON integer of at most 19 digits: a longer one cannot be a 64-bit number (and
+    Python would spend time on thousands of digits)."""
+    if len(text.lstrip("-")) > 19:
+        raise ValueError("a long number")
+    return int(text)
+
+
+# Why `json.loads` refused a line, by what `_once`, `_reject_constant` and `_short_int` raise.
+_JSON_FAULTS: Final = {
+    "a repeated field": "repeats a field",
+    "a long number": "holds a number beyond 64 bits",
+    **dict.fromkeys(("NaN", "Infinity", "-Infinity"), "holds NaN or Infinity, which JSON lacks"),
+}
+
+
+def _export_object(text: str, line: int) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(
+            text, parse_constant=_reject_constant, parse_int=_short_int, object_pairs_hook=_once
+        )
+    except RecursionError:
+        raise InvalidExport(f"export line {line}: is nested too deeply") from None
+    except ValueError as error:
+        fault = _JSON_FAULTS.get(str(error), "is not valid JSON")
+        raise InvalidExport(f"export line {line}: {fault}") from None
+    if not isinstance(value, dict):
+        raise InvalidExport(f"export line {line}: is not a JSON object")
+    return value
+
+
+def _is_id(value: object) -> bool:
+    return _is_count(value) and value != 0
+
+
+def _is_sql_int(value: object) -> bool:
+    return type(value) is int and -_MAX_SQL_INT - 1 <= value <= _MAX_SQL_INT
+
+
+_Check = tuple[Callable[[Any], bool], str]
+_SQL_TIME: Final[_Check] = (_is_sql_int, "a 64-bit integer")
+_OPTIONAL_TIME: Final[_Check] = (lambda v: v is None or _is_sql_int(v), "a 64-bit integer or null")
+_COUNT: Final[_Check] = (_is_count, f"an integer from 0 to {_MAX_SQL_INT}")
+# Every field of a record line, in the record's order, and what it must hold: what `_shown`
+# lets a store show, so that every export restores.
+_RECORD_FIELDS: Final[dict[str, _Check]] = {
+    "key": (lambda v: isinstance(v, dict) and v.keys() == {"id", "version"}
+            and all(map(_is_id, v.values())), f"id and version, each from 1 to {_MAX_SQL_INT}"),
+    "content": (_is_text, "a string of text"),
+    "created_at_ms": _SQL_TIME, "updated_at_ms": _SQL_TIME, "last_scanned_at_ms": _OPTIONAL_TIME,
+    "scan_count": _COUNT, "last_used_at_ms": _OPTIONAL_TIME, "use_count": _COUNT,
+    "probation_until_ms": _OPTIONAL_TIME,
+}  # fmt: skip
+_MANIFEST_FIELDS: Final[dict[str, _Check]] = {
+    "format": (lambda v: v == _EXPORT_FORMAT, repr(_EXPORT_FORMAT)),
+    "format_version": (lambda v: v == _EXPORT_VERSION, str(_EXPORT_VERSION)),
+    "tactmem_version": (_is_text, "a string of text"),
+    "limits": (lambda v: isinstance(v, dict) and v.keys() == set(_LIMIT_FIELDS)
+               and all(map(_is_id, v.values())), "the seven limits, each a positive integer"),
+    "records": _COUNT, "content_bytes": _COUNT,
+    "next_id": (_is_id, f"an integer from 1 to {_MAX_SQL_INT}"),
+    "sha256": (lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None,
+               "64 lowercase hexadecimal digits"),
+}  # fmt: skip
+
+
+class _Parsed(NamedTuple):
+    """An export file checked through: its allocator's next id and its records, each with
+    the number of its line."""
+
+    next_id: int
+    records: tuple[tuple[int, Record], ...]
+
+
+def _parse_manifest(text: str) -> dict[str, Any]:
+    manifest = _export_object(text, 1)
+    if manifest.get("format") != _EXPORT_FORMAT:
+        raise InvalidExport(f"export line 1: is not a {_EXPORT_FORMAT} manifest")
+    version = manifest.get("format_version")
+    if type(version) is int and version > _EXPORT_VERSION:
+        raise InvalidExport(
+            f"export line 1: format version {version} is newer than this build reads"
+            f" ({_EXPORT_VERSION}); use a newer tactmem"
+        )
+    fields = (tuple(_MANIFEST_FIELDS), ())
+    _check_line("export line 1", manifest, fields, _MANIFEST_FIELDS, "manifest", InvalidExport)
+    return manifest
+
+
+def _parse_record(text: str, line: int) -> Record:
+    value, fields = _export_object(text, line), (tuple(_RECORD_FIELDS), ())
+    _check_line(f"export line {line}", value, fields, _RECORD_FIELDS, "record", InvalidExport)
+    key = value["key"]
+    return Record.from_row((key["id"], key["version"], *map(value.get, list(_RECORD_FIELDS)[1:])))
+
+
+def _parse_export(data: bytes, limits: Limits) -> _Parsed:
+    """Check an export through before anything is written: its size (at most
+    `_export_bytes(limits)`), UTF-8, the manifest, the SHA-256 of the record lines, then each
+    record line, ids ascending below the manifest's next id, and the manifest's counts. The
+    error names the line and the reason, never the content."""
+    import hashlib
+
+    if len(data) > _export_bytes(limits):
+        most = _export_bytes(limits)
+        raise InvalidExport(f"export file: larger than this store's limits allow ({most} bytes)")
+    try:
+        lines = data.decode("utf-8").split("\n")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise InvalidExport(f"export line {line}: is not UTF-8 text") from None
+    if not data or lines[-1]:
+        raise InvalidExport(f"export line {len(lines)}: is cut short (no newline at its end)")
+    manifest = _parse_manifest(lines[0])
+    if hashlib.sha256(data[data.index(b"\n") + 1 :]).hexdigest() != manifest["sha256"]:
+        raise InvalidExport("export line 1: the record lines do not match its sha256")
+    records = tuple((line, _parse_record(text, line)) for line, text in enumerate(lines[1:-1], 2))
+    last = 0
+    for line, record in records:
+        if record.key.id <= last:
+            raise InvalidExport(f"export line {line}: its id is not above the one before")
+        last = record.key.id
+    if last >= manifest["next_id"]:
+        raise InvalidExport(f"export line {len(records) + 1}: its id is not below next_id")
+    size = sum(len(record.content.encode()) for _, record in records)
+    for name, found in (("records", len(records)), ("content_bytes", size)):
+        if manifest[name] != found:
+            raise InvalidExport(
+                f"export line 1: says {manifest[name]} {name}; the file has {found}"
+            )
+    return _Parsed(manifest["next_id"], records)
+
+
+# ------------------------------------------------------------ export, import and restore (I/O)
+
+# A restored record: every column as the export has it.
+_RESTORE: Final = (
+    "INSERT INTO memories (id, version, content, normalized_identity, created_at_ms,"
+    " updated_at_ms, last_scanned_at_ms, scan_count, last_used_at_ms, use_count,"
+    " probation_until_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def export(store: Store, *, now_ms: int | None = None) -> Export:
+    """`store` as an export file: every visible record not expired at `now_ms`, by id.
+    Changes nothing (no telemetry, no prune); a store whose file does not exist yet
+    exports as empty, and still has no file."""
+    now = _now_ms(now_ms)
+    if not os.path.exists(store.path):
+        return _export_file((), 1, store.limits, now, __version__)
+    with store._transaction() as connection:
+        rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
+        records = list(map(Record.from_row, rows))
+        (next_id,) = connection.execute(_NEXT_ID).fetchone()
+    return _export_file(records, next_id, store.limits, now, __version__)
+
+
+def merge(store: Store, data: bytes, *, dry_run: bool = False, now_ms: int | None = None) -> Merged:
+    """Merge an export file into `store` in one transaction, as Tact's `pull` does (`_plan_merge`):
+    new records get fresh ids, version 1, fresh probation and no telemetry; records whose
+    identity the store or an earlier line holds are skipped. `dry_run` does the same and
+    rolls it back (a store with no file yet is planned as empty, and not created)."""
+    parsed, now = _parse_export(data, store.limits), _now_ms(now_ms)
+    return _merge_records(store, parsed.records, dry_run, now)
+
+
+def _merge_records(
+    store: Store, records: Sequence[tuple[int, Record]], dry_run: bool, now: int
+) -> Merged:
+    """`merge` of checked records, each with the line (or place) an error names."""
+    if dry_run and not os.path.exists(store.path):
+        inserts, skipped = _plan_merge(records, _NEW_STORE, store.limits, now)
+        return Merged(len(inserts), skipped)
+    with store._transaction(prune_at=now, commit=not dry_run) as connection:
+        inserts, skipped = _plan_merge(records, _read_batch(connection), store.limits, now)
+        connection.executemany(
+            _INSERT,
+            [
+                (new.key.id, new.key.version, new.content, identity, new.created_at_ms,
+                 new.updated_at_ms, new.probation_until_ms)
+                for new, identity in inserts
+            ],
+        )  # fmt: skip
+        store._changed()
+    return Merged(len(inserts), skipped)
+
+
+def restore(store: Store, data: bytes, *, now_ms: int | None = None) -> int:
+    """Recreate a backup exactly (`_plan_restore`) in `store`, which must never have held a record:
+    ids, versions, times, telemetry, probation and the allocator's next id. Returns the
+    number of records restored."""
+    del now_ms  # a restore records no time; the parameter keeps the API uniform
+    parsed = _parse_export(data, store.limits)
+    with store._transaction() as connection:
+        restored = _plan_restore(parsed.records, _read_batch(connection), store.limits)
+        connection.executemany(
+            _RESTORE,
+            [
+                (old.key.id, old.key.version, old.content, identity,
+                 *attrs.astuple(old, recurse=False)[2:])
+                for old, identity in restored
+            ],
+        )  # fmt: skip
+        connection.execute("UPDATE memory_metadata SET next_id = ? WHERE id = 1", (parsed.next_id,))
+        store._changed()
+    return len(restored)
+
+
+def _read_export(name: str, limits: Limits) -> bytes:
+    """An export file, or standard input for `-`: at most one byte more than the largest
+    export `limits` allow (which `_parse_export` refuses), so a huge input is never held."""
+    most = _export_bytes(limits)
+    if name == "-":
+        if sys.stdin is None:
+            raise InvalidRequest("there is no standard input to read the export from")
+        data = getattr(sys.stdin, "buffer", sys.stdin).read(most + 1)
+        return data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
+    try:
+        found = _read_small_file(name, most)
+    except OSError as error:
+        raise InvalidExport(f"export file: cannot be read ({error.strerror})") from None
+    except ValueError:
+        raise InvalidExport("export file: a name no file can have") from None
+    if found is None:
+        raise InvalidExport("export file: not a regular file")
+    return found
+
+
+# ------------------------------------------------------------ the browser (pure)
 
 _View = Literal["list", "detail"]
 _PREVIEW_GRAPHEMES: Final = 160
-# Wide in glibc's wcwidth though Unicode calls them ambiguous or neutral, and skin tones.
-_WIDE: Final = re.compile("[\u3248-\u324f\u4dc0-\u4dff\U0001f3fb-\U0001f3ff]")
 _EXTENDERS: Final = frozenset({"Mn", "Me", "Mc"})
 _ZWJ: Final = "\u200d"
 
@@ -2720,26 +4375,6 @@ def _drop_last_grapheme(text: str) -> str:
             return text[:end]
         end -= 1  # a joiner glues this character to the one before it
     return ""
-
-
-def _cell_width(char: str) -> int:
-    """Terminal cells a character may take; when terminals disagree, the larger count."""
-    category = unicodedata.category(char)
-    if category in ("Mn", "Me", "Cf") and char != "\ufe0f":
-        return 0
-    return 2 if unicodedata.east_asian_width(char) in ("W", "F") or _WIDE.match(char) else 1
-
-
-def _fit(text: str, width: int) -> str:
-    """Cut text to at most `width` terminal cells, ending in `…` when something was cut."""
-    cells = [_cell_width(char) for char in text]
-    if sum(cells) <= width:
-        return text
-    used, end = 0, 0
-    while end < len(text) and used + cells[end] <= width - 1:
-        used += cells[end]
-        end += 1
-    return text[:end] + "…" if width >= 1 else ""
 
 
 def _first_graphemes(text: str, count: int) -> str:
@@ -3061,9 +4696,125 @@ def _detail_body(record: Record, now: int, width: int) -> list[tuple[str, str]]:
     return body
 
 
-# ------------------------------------------------------------------------ evaluation
+# ------------------------------------------------------------ the browser (I/O)
+
+
+def _browse(store: Backend, enabled: bool | None, team: str = "") -> None:
+    """`tactmem browse`: the pure browser driven by curses, its effects carried out on `store`
+    (`team`: team memory's own namespace, shown read-only)."""
+    import curses
+    import locale
+
+    if not (sys.stdin and sys.stdin.isatty() and sys.stdout and sys.stdout.isatty()):
+        raise TactmemError("browse needs a terminal")
+    with contextlib.suppress(locale.Error):
+        locale.setlocale(locale.LC_ALL, "")
+    os.environ.setdefault("ESCDELAY", "25")  # Esc answers at once, not after a second
+    try:
+        curses.wrapper(_browse_loop, store, _Browser(enabled=enabled, team=team))
+    except curses.error:
+        raise TactmemError("the terminal could not be used (is TERM set?)") from None
+
+
+_CURSES_KEYS: Final = {
+    "KEY_UP": "up", "KEY_DOWN": "down", "KEY_PPAGE": "pgup", "KEY_NPAGE": "pgdn",
+    "KEY_ENTER": "enter", "KEY_BACKSPACE": "backspace", "KEY_DC": "delete",
+}  # fmt: skip
+_CONTROL_KEYS: Final = {
+    "\n": "enter", "\r": "enter", "\t": "tab", "\x1b": "esc", "\x7f": "backspace",
+    "\x08": "backspace", "\x04": "ctrl-d", "\x12": "ctrl-r",
+}  # fmt: skip
+
+
+def _key_event(key: int | str, key_name: Callable[[int], bytes]) -> _Event | None:
+    if isinstance(key, int):
+        name = _CURSES_KEYS.get(key_name(key).decode("ascii", "replace"))
+        return None if name is None else ("key", name)
+    if key in _CONTROL_KEYS:
+        return ("key", _CONTROL_KEYS[key])
+    return ("char", key) if key.isprintable() else None
+
+
+def _carry_out(effect: _Effect, store: Backend) -> _Event | None:
+    if effect[0] == "load":
+        now = _now_ms()
+        try:
+            return ("loaded", store.list(now_ms=now), now)
+        except TactmemError as error:
+            return ("load_failed", str(error))
+    if effect[0] == "delete":
+        try:
+            store.delete(effect[1])
+        except TactmemError as error:
+            return ("delete_failed", effect[1], error.code, str(error))
+        return ("deleted", effect[1])
+    return None
+
+
+def _browse_loop(screen: Any, store: Backend, state: _Browser) -> None:
+    import curses
+
+    with contextlib.suppress(curses.error):
+        curses.curs_set(0)
+    styles = {"title": curses.A_BOLD, "selected": curses.A_REVERSE, "dim": curses.A_DIM}
+    screen.keypad(True)
+    effects: list[_Effect] = [("load",)]
+    while True:
+        while effects:
+            effect = effects.pop(0)
+            if effect[0] == "quit":
+                return
+            event = _carry_out(effect, store)
+            if event is not None:
+                state, more = _browse_step(state, event)
+                effects.extend(more)
+            if effect[0] == "delete":
+                curses.flushinp()  # keys held or typed during the delete are not presses
+        state, _ = _browse_step(state, ("tick", _now_ms()))  # ages as of this redraw
+        height, width = screen.getmaxyx()
+        if (width, height) != (state.width, state.height):
+            state, _ = _browse_step(state, ("size", width, height))
+        screen.erase()
+        for row, (style, text) in enumerate(_browse_screen(state, width, height)):
+            with contextlib.suppress(curses.error):  # the bottom-right cell cannot be written
+                screen.addstr(row, 0, text, styles.get(style, curses.A_NORMAL))
+        screen.refresh()
+        screen.timeout(_TICK_MS)
+        try:
+            key = screen.get_wch()
+        except curses.error:  # no key within the tick: redraw, so the ages move on
+            continue
+        if key == "\x1b" and _next_key_waiting(screen):
+            continue  # Alt+key arrives as Esc then the key: neither quits nor filters
+        event = _key_event(key, curses.keyname)
+        if event is not None:
+            asked = state.confirm
+            state, effects = _browse_step(state, event)
+            if state.confirm is not None and state.confirm != asked:
+                curses.flushinp()  # only a press after the question confirms it, not a repeat
+
+
+_TICK_MS: Final = 15_000  # how often an idle browser redraws, so that its ages stay true
+
+
+def _next_key_waiting(screen: Any) -> bool:
+    """Consume and report a key that is already waiting (the second half of Alt+key)."""
+    import curses
+
+    screen.nodelay(True)
+    try:
+        screen.get_wch()
+        return True
+    except curses.error:
+        return False
+    finally:
+        screen.nodelay(False)
+
+
+# ------------------------------------------------------------ evaluation (pure)
 # `tactmem eval` (README, "Evaluating memory"): scenario steps are checked here, run through
 # `MemoryTool` by the shell's `_Scenario`, and scored here; paired agent runs are judged here.
+
 
 # The operating point `tactmem eval --sweep` chose on the development scenarios (README).
 RECOMMENDED_MIN_COVERAGE: Final = 0.34
@@ -3075,7 +4826,6 @@ class _BadScenario(TactmemError):
 
 
 _AGENTS: Final = ("root", "child")
-_LIMIT_FIELDS: Final = tuple(field.name for field in attrs.fields(Limits))
 # The outcomes a step can have (the runner builds only valid requests and passes the gate).
 _PUT_OUTCOMES: Final = (
     "stored", "duplicate", "secret_rejected", "content_too_large", "empty_content",
@@ -3096,29 +4846,6 @@ _STEPS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
 }  # fmt: skip
 _DAY_MS: Final = 86_400_000
 _CENTURY_DAYS: Final = 36_525  # the longest advance: a file's clock cannot pass 2**63 ms
-
-
-def _is_text(value: object) -> bool:
-    """A string that is UTF-8 text (JSON can spell a lone surrogate; no store takes one)."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _is_label(value: object) -> bool:
-    return _is_text(value) and bool(value)
-
-
-def _is_number(value: object) -> bool:
-    return type(value) is int or (type(value) is float and math.isfinite(value))
-
-
-def _is_count(value: object) -> bool:
-    return type(value) is int and 0 <= value <= _MAX_SQL_INT
 
 
 # What each field must hold, and how to say so.
@@ -3166,33 +4893,6 @@ def _json_lines(text: str, source: str) -> Iterator[tuple[str, dict[str, Any]]]:
             if not isinstance(value, dict):
                 raise _BadScenario(f"{where}: not a JSON object (or one that repeats a field)")
             yield where, value
-
-
-def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose fields are all different (the last of a repeated one would win)."""
-    value = dict(pairs)
-    if len(value) != len(pairs):
-        raise ValueError("a repeated field")
-    return value
-
-
-def _check_line(
-    where: str,
-    value: Mapping[str, Any],
-    fields: tuple[tuple[str, ...], tuple[str, ...]],
-    checks: Mapping[str, tuple[Callable[[Any], bool], str]],
-    what: str,
-    bad: type[TactmemError],
-) -> None:
-    """Every required field present, no unknown one, each holding what `checks` says."""
-    try:
-        _check_fields(value, *fields, what)
-    except InvalidRequest as error:
-        raise bad(f"{where}: {error}") from None
-    for name, field in value.items():
-        check, wanted = checks[name]
-        if not check(field):
-            raise bad(f"{where}: {what} field {name!r} must be {wanted}")
 
 
 def _parse_scenario(text: str, source: str) -> tuple[Limits, list[_EvalStep]]:
@@ -3309,7 +5009,7 @@ def _estimated_tokens(size: int) -> int:
     return -(-size // 4)
 
 
-# ------------------------------------------------------------------------ paired runs
+# ------------------------------------------------------------ evaluation: paired runs (pure)
 
 _PAIRED_FIELDS: Final[dict[str, tuple[Callable[[Any], bool], str]]] = {
     "task": (_is_label, "a non-empty string"),
@@ -3700,215 +5400,311 @@ def _paired_lines(report: Mapping[str, Any]) -> Iterator[str]:
     yield f"verdict: {report['verdict']}"
 
 
-# ------------------------------------------------------------------------ export files
-# `tactmem export`, `import` and `restore` (README, "Export, import and restore"): a manifest
-# line, then one line per record in the reference's record JSON (§6), ids ascending.
+# ------------------------------------------------------------ evaluation (I/O)
 
-_EXPORT_FORMAT: Final = "tactmem-export"
-_EXPORT_VERSION: Final = 1
-_EXPORT_MANIFEST_BYTES: Final = 4096  # the manifest line: names, a version, numbers, a hash
-_EXPORT_RECORD_BYTES: Final = 512  # a record line's field names and numbers, beside its content
+_EVAL_EPOCH_MS: Final = 1_767_225_600_000  # 2026-01-01T00:00:00Z: scenario clocks start here
+_EVAL_FILE_BYTES: Final = 16 << 20  # a scenario or paired-run file larger than this is refused
 
 
-def _export_bytes(limits: Limits) -> int:
-    """The largest export a store with `limits` can write: its manifest, and each record's
-    fields and numbers, with its content escaped at worst (six bytes, `\u001f`, for one)."""
-    content = min(limits.total_content_bytes, limits.records * limits.content_bytes)
-    return _EXPORT_MANIFEST_BYTES + limits.records * _EXPORT_RECORD_BYTES + 6 * content
+class _Scenario:
+    """One scenario file run on a fresh store through a root and a child `MemoryTool`, as
+    agents call them, on a clock that starts at `_EVAL_EPOCH_MS` and moves 1 ms per call (and
+    as `advance` steps say). `run` hands what it saw to `_eval_report`."""
 
+    def __init__(
+        self, store: Store, source: str, min_coverage: float, sweep: Sequence[float] = ()
+    ) -> None:
+        self.store, self.source, self.now, self.sweep = store, source, _EVAL_EPOCH_MS, sweep
+        self.tools = {
+            agent: MemoryTool(store, root=agent == "root", min_coverage=min_coverage)
+            for agent in _AGENTS
+        }
+        self.labels: dict[str, Key] = {}
+        self.live: dict[int, int | None] = {}  # id -> its probation's end, None once read
+        self.scans: list[_ScanOutcome] = []
+        self.swept: dict[float, list[_ScanOutcome]] = {point: [] for point in sweep}
+        self.missed: list[dict[str, str]] = []
+        self.counts: Counter[str] = Counter()
+        self.latency_ms: dict[str, list[float]] = {}
+        self.answer_bytes: dict[str, list[int]] = {}
 
-def _json_line(value: object) -> str:
-    import json
+    def run(self, steps: Iterable[_EvalStep]) -> _RunFigures:
+        for step in steps:
+            getattr(self, f"_{step.kind}")(step, step.fields.get("agent", "root"))
+        records = self.store.list(now_ms=self.now)
+        telemetry = {
+            "scan_marks": sum(record.scan_count for record in records),
+            "use_marks": sum(record.use_count for record in records),
+            "scanned_never_read": sum(r.scan_count >= 3 and not r.use_count for r in records),
+        }
+        return _RunFigures(
+            self.source, tuple(self.scans), tuple(self.missed), dict(self.counts), telemetry,
+            {name: tuple(times) for name, times in self.latency_ms.items()},
+            {name: tuple(sizes) for name, sizes in self.answer_bytes.items()},
+            _stats(self.store, now_ms=self.now)["file_bytes"],
+            {point: tuple(scans) for point, scans in self.swept.items()},
+        )  # fmt: skip
 
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")) + "\n"
+    def call(self, agent: str, request: dict[str, Any]) -> dict[str, Any]:
+        self.now += 1
+        started = time.perf_counter()
+        answer = self.tools[agent].call(request, now_ms=self.now)
+        operation = request["operation"]
+        self.latency_ms.setdefault(operation, []).append((time.perf_counter() - started) * 1000)
+        if operation in ("scan", "read"):
+            self.answer_bytes.setdefault(operation, []).append(len(_json(answer)))
+        return answer
 
+    def settle(self, step: _EvalStep, answer: Mapping[str, Any], success: str) -> bool:
+        """Check a write's expected outcome, and count the promises a success broke."""
+        got = answer["error"]["code"] if "error" in answer else success
+        expected = step.fields.get("expect", success)
+        self.expect(step, expected, got)
+        if got == success:
+            self.counts.update(
+                name
+                for name, broken in (
+                    ("duplicate_puts_accepted", expected == "duplicate"),
+                    ("secret_puts_accepted", expected == "secret_rejected"),
+                    ("stale_writes_accepted",
+                     expected == "conflict" or step.fields.get("version") == "stale"),
+                    ("forbidden_writes", step.fields.get("agent") == "child"),
+                )
+                if broken
+            )  # fmt: skip
+        return got == success
 
-def _export_file(
-    rows: Sequence[Record], next_id: object, limits: Limits, now_ms: int, version: str
-) -> Export:
-    """The export of a store's rows: every visible one not expired at `now_ms`, by id, after
-    a manifest naming the format, the `version` of tactmem that wrote it, the limits, the
-    counts, the allocator's next id and the SHA-256 of the record lines. The same rows give
-    the same bytes."""
-    import hashlib
+    def expect(self, step: _EvalStep, expected: str, got: str) -> None:
+        if got == expected:
+            self.counts["expectations_met"] += 1
+        else:
+            self.missed.append({"where": step.where, "expected": expected, "got": got})
 
-    if type(next_id) is not int or not _addressable(next_id):
-        raise StorageError("memory database's id allocator is not a whole number")
-    shown = sorted(filter(_shown, rows), key=lambda record: record.key.id)
-    live = [r for r in shown if not _expired(r.use_count, r.probation_until_ms, now_ms)]
-    body = "".join(_json_line(_to_json(record)) for record in live).encode()
-    size = sum(len(record.content.encode()) for record in live)
-    manifest = {
-        "format": _EXPORT_FORMAT, "format_version": _EXPORT_VERSION,
-        "tactmem_version": version, "limits": attrs.asdict(limits),
-        "records": len(live), "content_bytes": size, "next_id": next_id,
-        "sha256": hashlib.sha256(body).hexdigest(),
-    }  # fmt: skip
-    hidden, expired = len(rows) - len(shown), len(shown) - len(live)
-    return Export(_json_line(manifest).encode() + body, len(live), size, next_id, hidden, expired)
+    def version(self, step: _EvalStep) -> int:
+        """The version a write names: the one last seen, one the record no longer has (the one
+        before, or after a first version), or the number given."""
+        current = self.labels[step.fields["target"]].version
+        named = step.fields["version"]
+        if named == "stale":
+            return current - 1 if current > 1 else current + 1
+        return current if named == "current" else int(named)
 
+    def _put(self, step: _EvalStep, agent: str) -> None:
+        content, target = step.fields["content"], step.fields.get("target")
+        if target is not None and target not in self.labels:  # its put was refused
+            return self.expect(step, step.fields.get("expect", "stored"), "target_never_stored")
+        if not self.tools[agent]._scanned:  # the gate, passed the way an agent passes it
+            query = preview(content, self.store.limits.query_bytes)
+            self.call(agent, {"operation": "scan", "query": query if query.strip() else "?"})
+        request: dict[str, Any] = {"operation": "put", "content": content}
+        if target is not None:
+            request["replace"] = {"id": self.labels[target].id, "version": self.version(step)}
+        answer = self.call(agent, request)
+        if self.settle(step, answer, "stored"):
+            key = Key(**answer["memory"]["key"])
+            self.labels.update({label: key for label in (target, step.fields.get("as")) if label})
+            # the probation the rules promise, not the one the store reports
+            self.live[key.id] = min(self.now + self.store.limits.probation_ms, _MAX_SQL_INT)
 
-def _short_int(text: str) -> int:
-    """A JSON integer of at most 19 digits: a longer one cannot be a 64-bit number (and
-    Python would spend time on thousands of digits)."""
-    if len(text.lstrip("-")) > 19:
-        raise ValueError("a long number")
-    return int(text)
+    _replace = _put
 
+    def _limits(self, step: _EvalStep, _: str) -> None:
+        """Taken by `_parse_scenario` before the store opened."""
 
-# Why `json.loads` refused a line, by what `_once`, `_reject_constant` and `_short_int` raise.
-_JSON_FAULTS: Final = {
-    "a repeated field": "repeats a field",
-    "a long number": "holds a number beyond 64 bits",
-    **dict.fromkeys(("NaN", "Infinity", "-Infinity"), "holds NaN or Infinity, which JSON lacks"),
-}
-
-
-def _export_object(text: str, line: int) -> dict[str, Any]:
-    import json
-
-    try:
-        value = json.loads(
-            text, parse_constant=_reject_constant, parse_int=_short_int, object_pairs_hook=_once
+    def _delete(self, step: _EvalStep, agent: str) -> None:
+        target = step.fields["target"]
+        if target not in self.labels:
+            return self.expect(step, step.fields.get("expect", "deleted"), "target_never_stored")
+        doc_id = self.labels[target].id
+        answer = self.call(
+            agent, {"operation": "delete", "id": doc_id, "version": self.version(step)}
         )
-    except RecursionError:
-        raise InvalidExport(f"export line {line}: is nested too deeply") from None
-    except ValueError as error:
-        fault = _JSON_FAULTS.get(str(error), "is not valid JSON")
-        raise InvalidExport(f"export line {line}: {fault}") from None
-    if not isinstance(value, dict):
-        raise InvalidExport(f"export line {line}: is not a JSON object")
-    return value
+        if self.settle(step, answer, "deleted"):
+            self.live.pop(doc_id, None)
 
-
-def _is_id(value: object) -> bool:
-    return _is_count(value) and value != 0
-
-
-def _is_sql_int(value: object) -> bool:
-    return type(value) is int and -_MAX_SQL_INT - 1 <= value <= _MAX_SQL_INT
-
-
-_Check = tuple[Callable[[Any], bool], str]
-_SQL_TIME: Final[_Check] = (_is_sql_int, "a 64-bit integer")
-_OPTIONAL_TIME: Final[_Check] = (lambda v: v is None or _is_sql_int(v), "a 64-bit integer or null")
-_COUNT: Final[_Check] = (_is_count, f"an integer from 0 to {_MAX_SQL_INT}")
-# Every field of a record line, in the record's order, and what it must hold: what `_shown`
-# lets a store show, so that every export restores.
-_RECORD_FIELDS: Final[dict[str, _Check]] = {
-    "key": (lambda v: isinstance(v, dict) and v.keys() == {"id", "version"}
-            and all(map(_is_id, v.values())), f"id and version, each from 1 to {_MAX_SQL_INT}"),
-    "content": (_is_text, "a string of text"),
-    "created_at_ms": _SQL_TIME, "updated_at_ms": _SQL_TIME, "last_scanned_at_ms": _OPTIONAL_TIME,
-    "scan_count": _COUNT, "last_used_at_ms": _OPTIONAL_TIME, "use_count": _COUNT,
-    "probation_until_ms": _OPTIONAL_TIME,
-}  # fmt: skip
-_MANIFEST_FIELDS: Final[dict[str, _Check]] = {
-    "format": (lambda v: v == _EXPORT_FORMAT, repr(_EXPORT_FORMAT)),
-    "format_version": (lambda v: v == _EXPORT_VERSION, str(_EXPORT_VERSION)),
-    "tactmem_version": (_is_text, "a string of text"),
-    "limits": (lambda v: isinstance(v, dict) and v.keys() == set(_LIMIT_FIELDS)
-               and all(map(_is_id, v.values())), "the seven limits, each a positive integer"),
-    "records": _COUNT, "content_bytes": _COUNT,
-    "next_id": (_is_id, f"an integer from 1 to {_MAX_SQL_INT}"),
-    "sha256": (lambda v: isinstance(v, str) and re.fullmatch("[0-9a-f]{64}", v) is not None,
-               "64 lowercase hexadecimal digits"),
-}  # fmt: skip
-
-
-class _Parsed(NamedTuple):
-    """An export file checked through: its allocator's next id and its records, each with
-    the number of its line."""
-
-    next_id: int
-    records: tuple[tuple[int, Record], ...]
-
-
-def _parse_manifest(text: str) -> dict[str, Any]:
-    manifest = _export_object(text, 1)
-    if manifest.get("format") != _EXPORT_FORMAT:
-        raise InvalidExport(f"export line 1: is not a {_EXPORT_FORMAT} manifest")
-    version = manifest.get("format_version")
-    if type(version) is int and version > _EXPORT_VERSION:
-        raise InvalidExport(
-            f"export line 1: format version {version} is newer than this build reads"
-            f" ({_EXPORT_VERSION}); use a newer tactmem"
-        )
-    fields = (tuple(_MANIFEST_FIELDS), ())
-    _check_line("export line 1", manifest, fields, _MANIFEST_FIELDS, "manifest", InvalidExport)
-    return manifest
-
-
-def _parse_record(text: str, line: int) -> Record:
-    value, fields = _export_object(text, line), (tuple(_RECORD_FIELDS), ())
-    _check_line(f"export line {line}", value, fields, _RECORD_FIELDS, "record", InvalidExport)
-    key = value["key"]
-    return Record.from_row((key["id"], key["version"], *map(value.get, list(_RECORD_FIELDS)[1:])))
-
-
-def _parse_export(data: bytes, limits: Limits) -> _Parsed:
-    """Check an export through before anything is written: its size (at most
-    `_export_bytes(limits)`), UTF-8, the manifest, the SHA-256 of the record lines, then each
-    record line, ids ascending below the manifest's next id, and the manifest's counts. The
-    error names the line and the reason, never the content."""
-    import hashlib
-
-    if len(data) > _export_bytes(limits):
-        most = _export_bytes(limits)
-        raise InvalidExport(f"export file: larger than this store's limits allow ({most} bytes)")
-    try:
-        lines = data.decode("utf-8").split("\n")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        raise InvalidExport(f"export line {line}: is not UTF-8 text") from None
-    if not data or lines[-1]:
-        raise InvalidExport(f"export line {len(lines)}: is cut short (no newline at its end)")
-    manifest = _parse_manifest(lines[0])
-    if hashlib.sha256(data[data.index(b"\n") + 1 :]).hexdigest() != manifest["sha256"]:
-        raise InvalidExport("export line 1: the record lines do not match its sha256")
-    records = tuple((line, _parse_record(text, line)) for line, text in enumerate(lines[1:-1], 2))
-    last = 0
-    for line, record in records:
-        if record.key.id <= last:
-            raise InvalidExport(f"export line {line}: its id is not above the one before")
-        last = record.key.id
-    if last >= manifest["next_id"]:
-        raise InvalidExport(f"export line {len(records) + 1}: its id is not below next_id")
-    size = sum(len(record.content.encode()) for _, record in records)
-    for name, found in (("records", len(records)), ("content_bytes", size)):
-        if manifest[name] != found:
-            raise InvalidExport(
-                f"export line 1: says {manifest[name]} {name}; the file has {found}"
+    def _scan(self, step: _EvalStep, agent: str) -> None:
+        """A scored scan. Its relevant records are those of its labels still stored: a label
+        whose put was refused, or whose record was deleted or pruned, answers nothing."""
+        query = step.fields["query"]
+        answer = self.call(agent, {"operation": "scan", "query": query})
+        if "error" in answer:  # a missed expectation, and no scan to score
+            return self.expect(step, "a scan", answer["error"]["code"])
+        labelled = (self.labels.get(label) for label in step.fields["relevant"])
+        relevant = frozenset(key.id for key in labelled if key and self.stored(key.id))
+        returned = tuple(card["key"]["id"] for card in answer.get("candidates", ()))
+        category = step.fields.get("category", "uncategorized")
+        self.scans.append(_ScanOutcome(self.source, category, relevant, returned))
+        limits, terms = self.store.limits, _query_terms(query)  # the query is checked already
+        for point in self.sweep:  # what a scan at each point would return, without telemetry
+            plan = _plan_scan(
+                self.store._statistics.corpus, terms, limits.scan_results, limits, point
             )
-    return _Parsed(manifest["next_id"], records)
+            self.swept[point].append(_ScanOutcome(self.source, category, relevant, plan.scanned))
+
+    def stored(self, doc_id: int) -> bool:
+        """Whether the rules keep the record now: written, not deleted, and read or within
+        its probation (a deadline can pass between `advance` steps, 1 ms a call)."""
+        until = self.live.get(doc_id, 0)
+        return doc_id in self.live and (until is None or until > self.now)
+
+    def _read(self, step: _EvalStep, agent: str) -> None:
+        ids = [self.labels[label].id for label in step.fields["ids"] if label in self.labels]
+        answer = self.call(agent, {"operation": "read", "ids": ids})
+        if "error" in answer:
+            self.expect(step, "a read", answer["error"]["code"])
+        for record in answer.get("memories", ()):
+            if record["key"]["id"] in self.live:
+                self.live[record["key"]["id"]] = None  # read: out of probation for good
+
+    def _advance(self, step: _EvalStep, _: str) -> None:
+        """Move the clock, then check probation: a record read since its last write, and an
+        unread one within its period, is kept; an unread one past it is pruned."""
+        fields, counts = step.fields, self.counts
+        self.now += fields["ms"] if "ms" in fields else round(fields["days"] * _DAY_MS)
+        present = {record.key.id for record in self.store.list(now_ms=self.now)}
+        for doc_id, until in list(self.live.items()):
+            keep = until is None or until > self.now
+            group = "read" if until is None else "unexpired" if keep else "expired"
+            counts[f"{group}_checked"] += 1
+            counts[f"{group}_right"] += (doc_id in present) == keep
+            if doc_id not in present:
+                del self.live[doc_id]
 
 
-# ------------------------------------------------------------------------ remote answers
+def _read_eval_file(path: str) -> str:
+    """A scenario, paired-run or thresholds file: a regular file of at most `_EVAL_FILE_BYTES`,
+    UTF-8 (a leading byte-order mark is dropped)."""
+    try:
+        data = _read_small_file(path, _EVAL_FILE_BYTES)
+    except OSError as error:
+        raise _BadScenario(f"{path}: cannot be read ({error.strerror})") from None
+    except ValueError:  # a NUL or a lone surrogate in the name
+        raise _BadScenario("a file name that no file can have") from None
+    if data is None:
+        raise _BadScenario(f"{path}: not a regular file")
+    if len(data) > _EVAL_FILE_BYTES:
+        raise _BadScenario(f"{path}: larger than {_EVAL_FILE_BYTES} bytes")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise _BadScenario(f"{path}: not UTF-8") from None
+
+
+def _shipped_scenarios() -> list[str]:
+    """The shipped scenario files, relative to the working directory."""
+    try:
+        return sorted(
+            os.path.relpath(os.path.join(base, name))
+            for base in filter(None, map(_shipped_eval, ("dev", "heldout", "contract")))
+            for name in os.listdir(base)
+            if name.endswith(".jsonl")
+        )
+    except OSError as error:
+        raise _BadScenario(f"the shipped scenarios cannot be listed ({error.strerror})") from None
+
+
+def _shipped_eval(name: str) -> str | None:
+    """`fixtures/eval/<name>` beside this file (a checkout or vendored copy), else in the
+    working directory (an installed tactmem run from a checkout)."""
+    for base in (os.path.dirname(os.path.abspath(__file__)), os.getcwd()):
+        path = os.path.join(base, "fixtures", "eval", name)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def _run_scenarios(
+    scenarios: Sequence[tuple[str, Limits, list[_EvalStep]]],
+    min_coverage: float,
+    sweep: Sequence[float] = (),
+) -> list[_RunFigures]:
+    import tempfile
+
+    runs = []
+    for source, limits, steps in scenarios:
+        with (
+            tempfile.TemporaryDirectory(prefix="tactmem-eval-") as directory,
+            Store(os.path.join(directory, "memory.sqlite3"), limits=limits) as store,
+        ):
+            try:
+                runs.append(_Scenario(store, source, min_coverage, sweep).run(steps))
+            except TactmemError as error:  # the runner's own list or stats, not a tool call
+                raise _BadScenario(f"{source}: the store refused the scenario ({error})") from None
+    return runs
+
+
+def _eval_command(arguments: argparse.Namespace) -> int:
+    """`tactmem eval`: score scenarios (or judge paired runs) against a thresholds file."""
+    for clash, message in (
+        (arguments.paired is not None and (arguments.files or arguments.sweep),
+         "--paired judges recorded runs: it takes no scenario files or --sweep"),
+        (arguments.min_coverage is not None and (arguments.sweep or arguments.paired),
+         "--min-coverage does not apply to --sweep or --paired"),
+        (arguments.sweep and arguments.thresholds,
+         "--sweep draws the curve: it takes no --thresholds"),
+    ):  # fmt: skip
+        if clash:
+            raise _UsageError(message)
+    shipped = not arguments.files  # the shipped thresholds are for the shipped scenarios
+    path = arguments.thresholds or (_shipped_eval("thresholds.toml") if shipped else None)
+    thresholds = {} if path is None else _parse_thresholds(_read_eval_file(path), path)
+    if arguments.paired is not None:
+        return _paired_command(arguments, thresholds)
+    files = arguments.files or _shipped_scenarios()
+    if not files:
+        raise _BadScenario("no scenario files given, and no fixtures/eval/ here to run")
+    scenarios = [(file, *_parse_scenario(_read_eval_file(file), file)) for file in files]
+    if arguments.sweep:
+        return _sweep_command(arguments, scenarios)
+    coverage = arguments.min_coverage
+    coverage = thresholds.get("min_coverage", 0.0) if coverage is None else coverage
+    runs = _run_scenarios(scenarios, coverage)
+    baseline = _run_scenarios(scenarios, 0.0) if coverage else []
+    report = _eval_report(runs, coverage, thresholds, baseline)
+    print(_json(report) if arguments.json else "\n".join(_eval_lines(report)))
+    return 0 if report["passed"] else 1
+
+
+def _sweep_command(
+    arguments: argparse.Namespace, scenarios: Sequence[tuple[str, Limits, list[_EvalStep]]]
+) -> int:
+    """`tactmem eval --sweep`: the curve, from one run (scans leave the ranking as it was)."""
+    runs = _run_scenarios(scenarios, 0.0, _SWEEP)
+    rows = [(x, _retrieval([scan for run in runs for scan in run.swept[x]])) for x in _SWEEP]
+    if arguments.json:
+        print(_json([{"min_coverage": x, **figures} for x, figures in rows]))
+    else:
+        print("\n".join(_sweep_lines(rows)))
+    missed = sum(len(run.missed) for run in runs)
+    if missed:
+        print(f"tactmem: {missed} expectations missed; run without --sweep to see them",
+              file=sys.stderr)  # fmt: skip
+    return 1 if missed else 0
+
+
+def _paired_command(arguments: argparse.Namespace, thresholds: Mapping[str, Any]) -> int:
+    """`tactmem eval --paired`: the keep-or-remove verdict; exit 0 only for `keep`."""
+    margins = thresholds.get("paired", {})
+    if set(_PAIRED_MARGINS) - margins.keys():
+        where = arguments.thresholds or "--paired needs --thresholds (none shipped here), and it"
+        raise _BadScenario(f"{where}: needs every [paired] margin: " + ", ".join(_PAIRED_MARGINS))
+    pairs = _parse_paired(_read_eval_file(arguments.paired), arguments.paired)
+    report = _paired_report(pairs, margins)
+    print(_json(report) if arguments.json else "\n".join(_paired_lines(report)))
+    return 0 if report["verdict"] == "keep" else 1
+
+
+# ------------------------------------------------------------ team memory: remote answers (pure)
 # Team memory (README, "Team memory"): what `RemoteStore` checks before it sends anything and
 # in every answer of a server speaking Tact's remote protocol v1 before any of it is used:
 # its shape, exactly (`_REMOTE_ANSWERS`), then the original client's bounds and order. A
 # `_screened` card or record (secret-shaped, or holding a NUL) is dropped. Every refusal is a
 # `RemoteError` that quotes nothing it received.
 
-_REMOTE_NAMESPACE: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_REMOTE_TOKEN: Final = re.compile(r"[A-Za-z0-9._~+/=-]{1,4096}")
+
 _EXPORT_PAGE: Final = 128  # the most records one export page may hold
 _SYNC_COUNTS: Final = ("inserted", "replaced", "unchanged", "deleted")
-_LOOPBACK: Final = frozenset(("127.0.0.1", "localhost", "::1"))
 _INCOMPATIBLE: Final = "remote memory server speaks another protocol (is the endpoint right?)"
-_Cursor = tuple[str, int]  # an export position: a namespace and an id
-
-
-def _is_namespace(value: object) -> bool:
-    return isinstance(value, str) and _REMOTE_NAMESPACE.fullmatch(value) is not None
-
-
-def _check_namespace(namespace: object) -> str:
-    if not _is_namespace(namespace):
-        raise ConfigError(
-            "remote memory namespace must be 1 to 128 ASCII letters, digits, '.', '-' or '_'"
-        )
-    return str(namespace)
 
 
 # The shape of every answer, by route: what each field holds, as a check, the shape of an
@@ -3968,11 +5764,6 @@ def _remote_answer(route: str, data: bytes) -> Any:
 def _record_of(wire: Mapping[str, Any]) -> Record:
     """The record of an answer's `_WIRE_RECORD`."""
     return Record(RemoteKey(**wire["key"]), *(wire[name] for name in list(_RECORD_FIELDS)[1:]))
-
-
-def _where(record: Record) -> _Cursor:
-    """A team record's place: its namespace and id (the order of lists and exports)."""
-    return getattr(record.key, "namespace", ""), record.key.id
 
 
 def _sound(record: Record) -> bool:
@@ -4156,7 +5947,7 @@ def _wire_record(record: Record) -> dict[str, Any]:
     return {**_to_json(record), "key": _wire_key(record.key, None)}
 
 
-# ------------------------------------------------------------------------ push plans
+# ------------------------------------------------------------ team memory: push plans (pure)
 # `tactmem push` (README, "The push rule"). A push changes only the team records this store
 # has seen as they are now, and never what a key means: a replaced record gets a version above
 # every one seen, a new record an id the namespace has not used. What this store has seen are
@@ -4520,1178 +6311,14 @@ def _plan_push(
     return push.plan(len(foreign), unseen)
 
 
-# ============================================================================ shell (I/O)
-
-_SCHEMA: Final = (
-    """CREATE TABLE IF NOT EXISTS memories (
-        id INTEGER PRIMARY KEY,
-        content TEXT NOT NULL,
-        normalized_identity TEXT NOT NULL UNIQUE,
-        created_at_ms INTEGER NOT NULL,
-        updated_at_ms INTEGER NOT NULL,
-        last_scanned_at_ms INTEGER,
-        scan_count INTEGER NOT NULL DEFAULT 0 CHECK (scan_count >= 0),
-        last_used_at_ms INTEGER,
-        use_count INTEGER NOT NULL DEFAULT 0 CHECK (use_count >= 0),
-        probation_until_ms INTEGER,
-        version INTEGER NOT NULL DEFAULT 1 CHECK (version > 0)
-    )""",
-    # The allocator: ids are never reused, even after every row is deleted.
-    """CREATE TABLE IF NOT EXISTS memory_metadata (
-        id INTEGER PRIMARY KEY CHECK (id = 1),
-        next_id INTEGER NOT NULL CHECK (next_id > 0)
-    )""",
-    """INSERT INTO memory_metadata (id, next_id)
-        SELECT 1, COALESCE(MAX(id), 0) + 1 FROM memories WHERE true
-        ON CONFLICT (id) DO UPDATE SET next_id = excluded.next_id
-        WHERE memory_metadata.next_id < excluded.next_id""",
-    """CREATE TRIGGER IF NOT EXISTS memory_id_allocator AFTER INSERT ON memories
-    BEGIN
-        SELECT CASE WHEN NEW.id < (SELECT next_id FROM memory_metadata WHERE id = 1)
-            THEN RAISE(ABORT, 'memory id was already allocated') END;
-        UPDATE memory_metadata SET next_id = NEW.id + 1 WHERE id = 1 AND next_id <= NEW.id;
-    END""",
-)
-_SQL_SPACE: Final = re.compile("[ \t\n\f\r]+")
-# An index an earlier tactmem build created; files it wrote still have it, and it is harmless.
-_OLD_PROBATION_INDEX: Final = (
-    "CREATE INDEX memories_probation ON memories (probation_until_ms)"
-    " WHERE probation_until_ms IS NOT NULL"
-)
-# The rows `_expired` may name: a deadline passed is necessary (NULL, text and blobs never are).
-_PRUNABLE: Final = (
-    "SELECT id, use_count, probation_until_ms FROM memories WHERE probation_until_ms <= ?"
-)
-# `_Totals` in one pass over the rows: what a store counts and when its first probation ends
-# (the rows `_PRUNABLE` will find: a number, on an unread row).
-_TOTALS: Final = (
-    "SELECT COUNT(*), COALESCE(SUM(length(CAST(content AS BLOB))), 0), MIN(CASE WHEN"
-    " use_count = 0 AND typeof(probation_until_ms) IN ('integer', 'real')"
-    " THEN probation_until_ms END) FROM memories"
-)
-# The allocator's next id, never one a row had before (two index lookups).
-_NEXT_ID: Final = (
-    "SELECT MAX(COALESCE((SELECT MAX(id) FROM memories), 0) + 1,"
-    " (SELECT MAX(next_id) FROM memory_metadata))"
-)
-# What a put reads for its `_PutState` besides the totals and the next id: the row with the
-# same identity; the replaced row's version, bytes and creation time.
-_PUT_READS: Final = (
-    "SELECT id FROM memories WHERE normalized_identity = ?",
-    "SELECT version, COALESCE(length(CAST(content AS BLOB)), 0), created_at_ms FROM memories"
-    " WHERE id = ?",
-)
-# What ranking reads: the content only of rows whose id, metadata and text `_shown` would
-# accept but for the secret rules (NULL, which `_hidden` hides, for the rest: a row at an id no
-# read can name, of the wrong types, or holding a NUL, `_unstorable`); the corpus hides
-# secret-shaped texts itself. So a scan never offers a card a read would not return.
-_CORPUS_ROWS: Final = "SELECT id, version, CASE WHEN {} THEN content END FROM memories".format(
-    " AND ".join(
-        ["id > 0"]
-        + [f"typeof({name}) = 'integer'" for name in ("version", *_COUNT_FIELDS)]
-        + [f"typeof({name}) IN ('integer', 'null')" for name in _TIME_FIELDS]
-        + ["version > 0", "scan_count >= 0", "use_count >= 0"]
-        + ["instr(CAST(content AS BLOB), X'00') = 0"]
-    )
-)
-_RECORD_COLUMNS: Final = (
-    "id, version, content, created_at_ms, updated_at_ms, last_scanned_at_ms, scan_count,"
-    " last_used_at_ms, use_count, probation_until_ms"
-)
-# A `_PutPlan` written: an insert leaves the telemetry columns at their defaults (the fresh
-# telemetry `_plan_put` gives every record); an update sets every column but the id (the
-# creation time too, which `_plan_put` keeps, or mends when a foreign writer broke it).
-_INSERT: Final = (
-    "INSERT INTO memories (id, version, content, normalized_identity, created_at_ms,"
-    " updated_at_ms, probation_until_ms) VALUES (?, ?, ?, ?, ?, ?, ?)"
-)
-_UPDATE: Final = (
-    "UPDATE memories SET version = ?, content = ?, normalized_identity = ?, created_at_ms = ?,"
-    " updated_at_ms = ?, last_scanned_at_ms = ?, scan_count = ?, last_used_at_ms = ?,"
-    " use_count = ?, probation_until_ms = ? WHERE id = ?"
-)
-# A scan's telemetry: `scan_count` saturates at the largest integer, as `_plan_read`'s
-# `use_count` does (SQLite's `+` would make it a float, which `_shown` hides).
-_MARK_SCANNED: Final = (
-    "UPDATE memories SET last_scanned_at_ms = ?,"
-    f" scan_count = MIN(scan_count, {_MAX_SQL_INT - 1}) + 1 WHERE id = ?"
-)
-# A read's telemetry, as `_plan_read` worked it out.
-_MARK_READ: Final = (
-    "UPDATE memories SET last_used_at_ms = ?, use_count = ?, probation_until_ms = ? WHERE id = ?"
-)
-# What a delete reads: the version and the size of the row at the id (NULLs when there is none).
-_DELETE_READS: Final = (
-    "SELECT (SELECT version FROM memories WHERE id = ?),"
-    " (SELECT length(CAST(content AS BLOB)) FROM memories WHERE id = ?)"
-)
-_SQL_CHUNK: Final = 500  # ids bound per `IN (...)`, under every SQLite variable limit
-# What a merge and a restore read for their `_Batch` besides `_TOTALS` and `_NEXT_ID`.
-_IDENTITIES: Final = "SELECT normalized_identity FROM memories"
-# A restored record: every column as the export has it.
-_RESTORE: Final = (
-    "INSERT INTO memories (id, version, content, normalized_identity, created_at_ms,"
-    " updated_at_ms, last_scanned_at_ms, scan_count, last_used_at_ms, use_count,"
-    " probation_until_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-)
-
-
-def _now_ms(now_ms: int | None = None) -> int:
-    """`now_ms` if given (an integer SQLite can store), else the wall clock."""
-    if now_ms is None:
-        return max(0, time.time_ns() // 1_000_000)
-    if type(now_ms) is not int or not 0 <= now_ms <= _MAX_SQL_INT:
-        raise InvalidRequest(f"now_ms must be an integer from 0 to {_MAX_SQL_INT}")
-    return now_ms
-
-
-_DAMAGED: Final = "memory database file is not a SQLite database or is damaged"
-
-
-def _storage_error(error: sqlite3.Error) -> TactmemError:
-    """Map a SQLite failure to the one TactmemError a user should see."""
-    name = getattr(error, "sqlite_errorname", "") or ""
-    if name == "SQLITE_FULL":
-        return DatabaseCapacity()
-    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
-        return StoreBusy()
-    if name in ("SQLITE_NOTADB", "SQLITE_CORRUPT"):
-        return StorageError(_DAMAGED)
-    if name.startswith("SQLITE_READONLY"):
-        return StorageError("memory database is read-only")
-    if name.startswith("SQLITE_CANTOPEN"):
-        return StorageError("could not open the memory database file")
-    return StorageError(f"memory storage operation failed ({name or type(error).__name__})")
-
-
-def _begin_immediate(connection: sqlite3.Connection, deadline: float | None = None) -> None:
-    """`BEGIN IMMEDIATE`, retrying every millisecond until `deadline` (`time.monotonic()`;
-    the busy timeout from now when None).
-
-    SQLite's own busy handler backs off to 100 ms sleeps, so under steady contention a waiting
-    writer keeps missing the short gaps between other writers' transactions and can starve
-    past the timeout. Polling briefly gives every process a fair chance at the write lock.
-    Inside the transaction the busy timeout applies again (for COMMIT): the ordinary one, or
-    what is left before `deadline`.
-    """
-    end = time.monotonic() + _BUSY_TIMEOUT_S if deadline is None else deadline
-    connection.execute("PRAGMA busy_timeout = 0")
-    try:
-        while True:
-            try:
-                connection.execute("BEGIN IMMEDIATE")
-                return
-            except sqlite3.OperationalError as error:
-                busy = getattr(error, "sqlite_errorname", "").startswith("SQLITE_BUSY")
-                if not busy or time.monotonic() >= end:
-                    raise
-            time.sleep(0.001)
-    finally:
-        left = _BUSY_TIMEOUT_S if deadline is None else max(0.001, end - time.monotonic())
-        connection.execute(f"PRAGMA busy_timeout = {int(left * 1000)}")
-
-
-def _file_identity(path: str) -> tuple[int, int] | None:
-    try:
-        status = os.stat(path)
-    except OSError:
-        return None
-    return (status.st_dev, status.st_ino)
-
-
-# The database file and the sidecars SQLite may keep beside it, as `stats` names them.
-_FILES: Final = {
-    "main": "", "journal": "-journal", "wal": "-wal", "shm": "-shm", "cache": _CACHE_SUFFIX,
-    "team": _LINKS_SUFFIX,
-}  # fmt: skip
-
-
-# ------------------------------------------------------------------------ the side cache
-# `<database>-cache` keeps `_Derived` by `_digest` for the next process, so that its first scan
-# need not tokenize and check every row again (README, "Decisions"). A header naming this
-# exact build of tactmem (its source's digest) and the Unicode database it reads, then
-# `[digest, hidden, counts]` JSON lines, each after the CRC-32 of its JSON; appended under the
-# database's write lock and rewritten with only live texts when dead ones pile up.
-# Disposable: a file that is missing, too large, of another build or unreadable is ignored,
-# and so is any line whose CRC or shape is wrong.
-
-
-def _cache_bytes(limits: Limits) -> int:
-    """The largest side cache read: far more than any store's texts yield."""
-    return 16 * limits.total_content_bytes + (1 << 20)
-
-
-def _source_stamp(file: int | str) -> tuple[int, int, int]:
-    """What tells one tactmem.py from the next: an upgrade or an edit changes one of these."""
-    info = os.stat(file)
-    return info.st_ino, info.st_size, info.st_mtime_ns
-
-
-try:  # the source this process runs, as imported (`_cache_header`)
-    _IMPORTED_SOURCE: tuple[int, int, int] | None = _source_stamp(__file__)
-except (OSError, NameError):
-    _IMPORTED_SOURCE = None
-
-
-@functools.cache
-def _cache_header() -> bytes | None:
-    """The header naming this build and the Unicode database its tokenizer and secret rules
-    read (every interpreter an agent runs shares the store), or None (no cache) when the
-    source cannot be read, or is not the one imported (an upgrade replaced it since)."""
-    import json
-
-    try:
-        with open(__file__, "rb") as source:
-            if _source_stamp(source.fileno()) != _IMPORTED_SOURCE:
-                return None
-            build = _digest(source.read().decode("utf-8", "surrogateescape"))
-    except (OSError, TypeError, NameError):
-        return None
-    return json.dumps(["tactmem-cache", 1, build, unicodedata.unidata_version]).encode() + b"\n"
-
-
-def _cache_line(body: bytes) -> bytes:
-    """A line of the side cache: the CRC-32 of its JSON, which a torn or scribbled line fails."""
-    return b"%08x %s\n" % (binascii.crc32(body), body)
-
-
-def _cache_entries(lines: list[bytes]) -> dict[str, _Derived]:
-    """The entries of the lines whose CRC holds: parsed all at once (several times faster),
-    or one by one when one is not JSON (one nested past the recursion limit, say)."""
-    import json
-
-    bodies = [line[9:] for line in lines if line[:9] == b"%08x " % binascii.crc32(line[9:])]
-    try:
-        entries = json.loads(b"[" + b",".join(bodies) + b"]")
-    except (ValueError, RecursionError):
-        entries = []
-        for body in bodies:
-            with contextlib.suppress(ValueError, RecursionError):
-                entries.append(json.loads(body))
-    return dict(filter(None, map(_cache_entry, entries)))
-
-
-def _cache_entry(entry: object) -> tuple[str, _Derived] | None:
-    """`[digest, hidden, {term: count}]`, every count a whole number a text could have."""
-    if not isinstance(entry, list) or len(entry) != 3:
-        return None
-    digest, hidden, counts = entry
-    if not (isinstance(digest, str) and len(digest) == 32 and type(hidden) is bool):
-        return None
-    if not isinstance(counts, dict) or set(map(type, counts.values())) - {int}:
-        return None
-    if counts and (hidden or not 1 <= min(counts.values()) <= max(counts.values()) <= 1 << 20):
-        return None  # a hidden text's terms are kept nowhere
-    return digest, (hidden, counts)
-
-
-def _without_waiting(path: str, flags: int) -> int:
-    """The side cache's `open`: never through a link, never waiting for a FIFO's writer."""
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
-
-
-def _load_cache(path: str, limits: Limits) -> tuple[dict[str, _Derived], int]:
-    """The entries of the side cache and its line count (too many to keep appending to when
-    it is not this build's, so the next write rewrites it)."""
-    header = _cache_header()
-    try:
-        with open(path, "rb", opener=_without_waiting) as file:
-            info = os.fstat(file.fileno())
-            if not stat.S_ISREG(info.st_mode) or info.st_size > _cache_bytes(limits):
-                return {}, sys.maxsize
-            lines = file.read(_cache_bytes(limits) + 1).split(b"\n")
-    except OSError:
-        return {}, 0
-    if header is None or lines[0] + b"\n" != header:
-        return {}, sys.maxsize
-    return _cache_entries(lines[1:]), len(lines)
-
-
-def _write_cache(path: str, entries: Mapping[str, _Derived], *, rewrite: bool) -> None:
-    """Append these entries to the side cache (with a header when it is new), or rewrite it
-    with only them; best effort: a failure leaves, at worst, a cache the next load ignores."""
-    import json
-
-    header = _cache_header()
-    if header is None:
-        return
-    lines = b"".join(  # a lone surrogate, which only a forged line has, as json.loads reads it
-        _cache_line(
-            json.dumps([digest, hidden, counts], ensure_ascii=False).encode(errors="surrogatepass")
-        )
-        for digest, (hidden, counts) in entries.items()
-    )
-    target = path + ".tmp" if rewrite else path
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK  # `_without_waiting`
-    flags |= os.O_TRUNC if rewrite else os.O_APPEND
-    with contextlib.suppress(OSError):
-        descriptor = os.open(target, flags, 0o600)
-        try:
-            info = os.fstat(descriptor)
-            if not stat.S_ISREG(info.st_mode):  # a FIFO or a device: never written to
-                return
-            size = info.st_size
-            if size and os.pread(descriptor, len(header), 0) != header:
-                return  # another build's (which would trust what this one adds) or a foreign file
-            torn = size and os.pread(descriptor, 1, size - 1) != b"\n"  # then a line of its own
-            os.write(descriptor, b"\n" + lines if torn else lines if size else header + lines)
-        finally:
-            os.close(descriptor)
-        if rewrite:
-            os.replace(target, path)
-
-
-def _open_to_others(path: str) -> bool:
-    """Whether group or others may read or write `path` (what `tactmem stats` warns about)."""
-    try:
-        return bool(os.stat(path).st_mode & 0o066)
-    except OSError:
-        return False
-
-
-# The tables of a file, and those of a new store (`_remove_if_new`).
-_TABLES: Final = "SELECT name FROM sqlite_schema WHERE type = 'table'"
-_MEMORY_TABLES: Final = frozenset(("memories", "memory_metadata"))
-
-
-class _Made(NamedTuple):
-    """What `_prepare_file` created: the directories, outermost first, and the file (None when
-    it was there already). A first use that fails takes them away again (`_unmake`)."""
-
-    directories: list[str]
-    file: str | None = None
-
-
-def _prepare_file(path: str) -> _Made:
-    """Create every missing directory on the way 0700 and a missing database file 0600,
-    whatever the umask; a dangling symlink gets its target created 0600. Anything but a
-    regular file at the path (a directory, a device, a FIFO) is refused before SQLite opens
-    it, so no journal is ever made beside `/dev/null`. A failure leaves nothing it made."""
-    made = _Made([])
-    try:
-        missing, parent = [], os.path.dirname(os.path.abspath(path))
-        while not os.path.isdir(parent) and parent != os.path.dirname(parent):
-            missing.append(parent)
-            parent = os.path.dirname(parent)
-        for directory in reversed(missing):
-            with contextlib.suppress(FileExistsError):  # another process got there first
-                os.mkdir(directory, 0o700)
-                made.directories.append(directory)
-                os.chmod(directory, 0o700)  # exactly 0700, not what the umask left of it
-        dangling = os.path.islink(path) and not os.path.exists(path)
-        target = os.path.realpath(path) if dangling else path
-        with contextlib.suppress(FileExistsError):  # an existing file is left alone
-            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            made = made._replace(file=target)
-        regular = stat.S_ISREG(os.stat(path).st_mode)
-    except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in the path
-        _unmake(made, _DEFAULT_LIMITS)
-        raise StorageError("could not prepare the memory directory") from None
-    if not regular:
-        raise StorageError("could not open the memory database file")
-    return made
-
-
-def _unmake(made: _Made, limits: Limits) -> None:
-    """Take away what `_prepare_file` made for a first use that failed: the file, unless it
-    holds something by now (`_remove_if_new`), then each directory made that is still empty."""
-    if made.file is not None and not _remove_if_new(made.file, limits):
-        return  # another process uses it: it and its directories stay
-    for directory in reversed(made.directories):
-        with contextlib.suppress(OSError):
-            os.rmdir(directory)
-
-
-def _remove_if_new(path: str, limits: Limits) -> bool:
-    """Remove a database file that holds no schema, or only tactmem's empty one with no id
-    handed out, under the write lock, so that no other process has written to it (one that
-    opened it meanwhile gets SQLite's read-only error, never a write into a removed file).
-    Whether it is gone; a file that cannot be checked stays."""
-    try:
-        connection = _open(path, limits, isolation_level=None)
-    except sqlite3.Error:
-        return False
-    try:
-        _begin_immediate(connection)
-        tables = {name for (name,) in connection.execute(_TABLES)}
-        if tables and (tables != _MEMORY_TABLES or _read_batch(connection) != _NEW_STORE):
-            return False
-        os.unlink(path)
-        return True
-    except (sqlite3.Error, OSError):
-        return False
-    finally:
-        connection.close()
-
-
-def _schema_version(connection: sqlite3.Connection) -> int:
-    """The file's `user_version`: 0 (a new file) or 1; anything else is refused."""
-    (found,) = connection.execute("PRAGMA user_version").fetchone()
-    if found not in (0, _SCHEMA_VERSION):
-        raise UnsupportedSchema(found)
-    return int(found)
-
-
-def _text(data: bytes) -> str | bytes:
-    """TEXT as `str`; bytes that are not UTF-8 (a foreign writer's) stay bytes, which
-    `_hidden` hides, instead of failing the whole query."""
-    try:
-        return data.decode()
-    except UnicodeDecodeError:
-        return data
-
-
-def _schema_objects(connection: sqlite3.Connection) -> set[tuple[object, object, object]]:
-    """Every schema object as `(type, name, SQL with each run of white space one space)`: only
-    SQLite's five white-space characters, since it reads any other as part of a word."""
-    rows = connection.execute("SELECT type, name, sql FROM sqlite_schema")
-    return {
-        (kind, name, _SQL_SPACE.sub(" ", sql).strip(" ") if isinstance(sql, str) else sql)
-        for kind, name, sql in rows
-    }
-
-
-@functools.cache
-def _known_objects() -> frozenset[tuple[object, object, object]]:
-    """The schema objects tactmem and Tact create (the same text, white space aside), as
-    SQLite itself records them: `_SCHEMA` run on an empty in-memory database, the old index,
-    and the statistics table `ANALYZE` adds."""
-    connection = sqlite3.connect(":memory:")
-    try:
-        for statement in (*_SCHEMA, _OLD_PROBATION_INDEX, "ANALYZE"):
-            connection.execute(statement)
-        return frozenset(_schema_objects(connection))
-    finally:
-        connection.close()
-
-
-def _check_file(connection: sqlite3.Connection) -> int:
-    """The file's `user_version` (see `_schema_version`), once its text encoding and every
-    schema object are checked: a file holding an object tactmem did not create is refused (a
-    trigger or view would run on tactmem's own writes, a changed table breaks its rules, and a
-    file with another application's tables is not a memory store), and so is UTF-16 text,
-    whose stored lengths would not be the UTF-8 bytes the bounds count."""
-    found = _schema_version(connection)
-    for kind, _, _ in _schema_objects(connection) - _known_objects():
-        kind = kind if kind in ("table", "index", "view", "trigger") else "schema object"
-        raise StorageError(f"memory database file holds a {kind} tactmem did not create")
-    if connection.execute("PRAGMA encoding").fetchone() != ("UTF-8",):
-        raise StorageError("memory database file does not hold UTF-8 text")
-    return found
-
-
-def _open(path: str, limits: Limits, **options: Any) -> sqlite3.Connection:
-    """A connection that does not trust the file: no value longer than the page budget (a
-    planted generated column could ask for gigabytes while the schema loads), no function
-    with side effects run from the schema, and text that is not UTF-8 kept as bytes."""
-    connection: sqlite3.Connection = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_S, **options)
-    connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max(limits.database_bytes, 1 << 20))
-    connection.text_factory = _text
-    try:
-        connection.execute("PRAGMA trusted_schema = OFF")
-    except BaseException:
-        connection.close()
-        raise
-    return connection
-
-
-def _inspect(path: str, limits: Limits) -> None:
-    """`_check_file` through a read-only connection first, so that a refused file is never
-    written, not even by SQLite checkpointing a WAL file's frames as it closes. A file with a
-    hot journal cannot be read read-only; the read-write connection recovers it (as any SQLite
-    writer does, which is how a crashed tactmem write is undone) and checks it after."""
-    name = os.path.abspath(path).replace("%", "%25").replace("?", "%3f").replace("#", "%23")
-    try:
-        with open(path, "rb") as file:  # a WAL file with no log: read as it is, leaving no -shm
-            settled = file.read(20)[18:] == b"\x02\x02" and not os.path.exists(path + "-wal")
-    except OSError:
-        raise StorageError("could not open the memory database file") from None
-    connection = _open(f"file:{name}?mode=ro{'&immutable=1' * settled}", limits, uri=True)
-    try:
-        _check_file(connection)
-    except sqlite3.OperationalError as error:
-        if not getattr(error, "sqlite_errorname", "").startswith("SQLITE_READONLY"):
-            raise
-    finally:
-        connection.close()
-
-
-def _records(connection: sqlite3.Connection, ids: Sequence[int]) -> Iterator[Record]:
-    for start in range(0, len(ids), _SQL_CHUNK):
-        chunk = ids[start : start + _SQL_CHUNK]
-        marks = ",".join("?" * len(chunk))
-        query = f"SELECT {_RECORD_COLUMNS} FROM memories WHERE id IN ({marks})"
-        yield from map(Record.from_row, connection.execute(query, chunk))
-
-
-def _read_batch(connection: sqlite3.Connection) -> _Batch:
-    rows, size, _ = connection.execute(_TOTALS).fetchone()
-    (next_id,) = connection.execute(_NEXT_ID).fetchone()
-    return _Batch(rows, size, next_id, frozenset(row[0] for row in connection.execute(_IDENTITIES)))
-
-
-class _Statistics:
-    """A store's token statistics (`_Corpus`) and what it knows of its side cache at `path`,
-    brought up to date with the rows only when they changed (`PRAGMA data_version`)."""
-
-    def __init__(self, path: str, limits: Limits) -> None:
-        self.path, self.limits = path, limits
-        self.corpus = _Corpus()
-        self.stale = True  # the rows may have changed since `sync` last looked
-        self._data_version = -1
-        self._known: dict[str, _Derived] | None = None  # the side cache's entries, once loaded
-        self._lines = 0  # in the side cache's file
-
-    def sync(self, connection: sqlite3.Connection) -> None:
-        """Bring the token statistics up to date with the rows, re-tokenizing only changes
-        and texts the side cache does not know; tell the cache what was worked out."""
-        (data_version,) = connection.execute("PRAGMA data_version").fetchone()
-        if not self.stale and data_version == self._data_version:
-            return
-        if self._known is None:
-            self._known, self._lines = _load_cache(self.path, self.limits)
-        new = self.corpus.update(connection.execute(_CORPUS_ROWS).fetchall(), self._known)
-        self._data_version = data_version
-        self.stale = False
-        if not new:
-            return
-        self._known.update(new)
-        live = set(self.corpus.digests.values())
-        if self._lines + len(new) > 2 * len(live) + 64:  # mostly dead lines: start over
-            self._known = {digest: self._known[digest] for digest in live}
-            _write_cache(self.path, self._known, rewrite=True)
-            self._lines = len(self._known) + 1
-        else:
-            _write_cache(self.path, new, rewrite=False)
-            self._lines += len(new)
-
-    def forget(self, connection: sqlite3.Connection) -> None:
-        """The side cache called a secret-shaped text clean: delete it, and work out every
-        row's statistics again without it."""
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-        self.corpus, self._known, self._lines, self.stale = _Corpus(), {}, 0, True
-        self.sync(connection)
-
-
-class Store:
-    """The memory store at one SQLite file, the default `Backend`. Thread-safe; nothing touches
-    disk until the first operation, and only a `TactmemError` ever leaves one. Each operation is
-    one `BEGIN IMMEDIATE` on a connection kept open for the life of the store (read what the
-    plan needs, ask the core, write the plan, commit); token statistics are cached and refreshed
-    only for rows changed since (`PRAGMA data_version`)."""
-
-    def __init__(self, path: str | os.PathLike[str], *, limits: Limits = _DEFAULT_LIMITS) -> None:
-        self.path = os.path.expanduser(os.fspath(path))
-        self.limits = limits
-        self._lock = threading.Lock()
-        self._connection: sqlite3.Connection | None = None
-        self._file: tuple[int, int] | None = None
-        self._schema_cookie = -1  # `PRAGMA schema_version` when the objects were last checked
-        self._statistics = _Statistics(self.path + _CACHE_SUFFIX, limits)
-        # The totals as this connection's last commit left them, while no other has committed
-        # since (`PRAGMA data_version` still `_seen_version`); None when unknown.
-        self._totals: _Totals | None = None
-        self._seen_version = -1
-        self._made: _Made | None = None  # what this store's first use made, until it commits
-
-    def __repr__(self) -> str:
-        return f"Store({self.path!r}, limits={self.limits!r})"
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Close the connection; the next operation opens it again."""
-        with self._lock:
-            self._close_connection()
-
-    def _close_connection(self) -> None:
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
-        self._changed()
-
-    def _changed(self, totals: _Totals | None = None) -> None:
-        """The rows changed (or may have): the statistics are stale; the totals after the
-        change when known."""
-        self._statistics.stale, self._totals = True, totals
-
-    # -------------------------------------------------------------------- operations
-
-    def scan(
-        self,
-        query: str,
-        *,
-        limit: int = _DEFAULT_LIMITS.scan_results,
-        min_coverage: float = 0.0,
-        now_ms: int | None = None,
-    ) -> ScanResult:
-        """Rank visible records, leaving out those whose coverage is below `min_coverage`; only
-        the returned candidates get scan telemetry."""
-        terms, floor = _scan_terms(query, self.limits), _check_min_coverage(min_coverage)
-        now = _now_ms(now_ms)
-        statistics = self._statistics
-        with self._transaction(prune_at=now) as connection:
-            statistics.sync(connection)
-            plan = _plan_scan(statistics.corpus, terms, limit, self.limits, floor)
-            if not statistics.corpus.confirm(plan.scanned):
-                statistics.forget(connection)
-                plan = _plan_scan(statistics.corpus, terms, limit, self.limits, floor)
-            connection.executemany(_MARK_SCANNED, [(now, doc_id) for doc_id in plan.scanned])
-        return plan.result
-
-    def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
-        """Full records in input order, de-duplicated, missing ones omitted; marks them used."""
-        wanted, now = _read_ids(ids, self.limits), _now_ms(now_ms)
-        with self._transaction(prune_at=now) as connection:
-            records = _plan_read(wanted, _records(connection, wanted), now)
-            connection.executemany(
-                _MARK_READ,
-                [(r.last_used_at_ms, r.use_count, r.probation_until_ms, r.key.id) for r in records],
-            )
-        return records
-
-    def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
-        """Add a conclusion, or replace the record at `replace` if its version still matches."""
-        put = _check_put(content, replace, self.limits, _now_ms(now_ms))
-        target = (replace.id,) if replace is not None and _addressable(replace.id) else None
-        duplicate, replaced = _PUT_READS
-        with self._transaction(prune_at=put.now_ms) as connection:
-            totals = self._totals
-            assert totals is not None  # the prune leaves them known
-            (next_id,) = connection.execute(_NEXT_ID).fetchone()
-            (same,) = connection.execute(duplicate, (put.identity,)).fetchone() or (None,)
-            old = connection.execute(replaced, target).fetchone() if target else None
-            state = _PutState(
-                totals.rows, totals.content_bytes, next_id, same, *(old or (None, 0, 0))
-            )
-            plan = _plan_put(put, state, self.limits)
-            new = plan.record
-            common = (new.key.version, new.content, put.identity)
-            if plan.insert:
-                times = (new.created_at_ms, new.updated_at_ms, new.probation_until_ms)
-                connection.execute(_INSERT, (new.key.id, *common, *times))
-            else:  # the times, then the telemetry: every field from the third on
-                changed = attrs.astuple(new, recurse=False)[2:]
-                connection.execute(_UPDATE, (*common, *changed, new.key.id))
-            self._changed(totals.after_put(plan, state, put.size))
-        return plan.record
-
-    def delete(self, key: Key, *, now_ms: int | None = None) -> None:
-        """Remove the record at `key` if its version still matches. Never prunes."""
-        del now_ms  # delete records no time; the parameter keeps the API uniform
-        target = key.id if _addressable(key.id) else None
-        with self._transaction() as connection:
-            version, size = connection.execute(_DELETE_READS, (target, target)).fetchone()
-            _check_version(key, version)
-            connection.execute("DELETE FROM memories WHERE id = ?", (key.id,))
-            self._changed(self._totals and self._totals.after_delete(size))
-
-    def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]:
-        """Every visible record by id, without telemetry. Expired probation is pruned first."""
-        with self._transaction(prune_at=_now_ms(now_ms)) as connection:
-            rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
-            records = list(map(Record.from_row, rows))
-        return tuple(filter(_shown, records))
-
-    # -------------------------------------------------------------------- plumbing
-
-    @contextlib.contextmanager
-    def _transaction(
-        self, *, prune_at: int | None = None, commit: bool = True
-    ) -> Iterator[sqlite3.Connection]:
-        """One `BEGIN IMMEDIATE` ... `COMMIT` (`ROLLBACK` without `commit`), first pruning the
-        rows `_expired` names at `prune_at` when it is given; any failure rolls everything
-        back."""
-        with self._lock, self._as_it_was(keep=commit):
-            try:
-                connection = self._locked()
-                try:
-                    # Another process may have changed the file.
-                    _, self._schema_cookie = _recheck(connection, self._schema_cookie)
-                    (data_version,) = connection.execute("PRAGMA data_version").fetchone()
-                    if data_version != self._seen_version:  # another connection committed
-                        self._totals = None
-                    if prune_at is not None:
-                        self._prune(connection, prune_at)
-                    yield connection
-                    connection.execute("COMMIT" if commit else "ROLLBACK")
-                    self._seen_version = data_version  # a connection's own commits keep it
-                    if not commit:  # a prune rolled back too
-                        self._totals = None
-                except BaseException:
-                    self._changed()
-                    if connection.in_transaction:  # SQLITE_FULL may have rolled back already
-                        connection.execute("ROLLBACK")
-                    raise
-            except UnicodeDecodeError:  # SQLite's message quoting a schema name that is not UTF-8
-                raise StorageError(_DAMAGED) from None
-            except sqlite3.Error as error:
-                raise _store_error(error, self.path, self.limits) from None
-
-    @contextlib.contextmanager
-    def _as_it_was(self, *, keep: bool) -> Iterator[None]:
-        """Run an operation. When the file did not exist before it, the file and directories
-        it made stay only if it succeeds and is kept (`keep`: not a dry run); otherwise they
-        are taken away (`_unmake`), so a failed first use leaves the file system as it was."""
-        kept = False
-        try:
-            yield
-            kept = keep
-        finally:
-            made, self._made = self._made, None
-            if made is not None and not kept:
-                self._close_connection()
-                _unmake(made, self.limits)
-
-    def _connect(self) -> sqlite3.Connection:
-        """The open connection, or a new one if there is none or the file was replaced."""
-        if self._connection is not None:
-            if _file_identity(self.path) == self._file:
-                return self._connection
-            self._close_connection()
-        made = _prepare_file(self.path)
-        if made.directories or made.file:  # a first use: undone if it fails (`_as_it_was`)
-            self._made = made
-        _inspect(self.path, self.limits)
-        identity = _file_identity(self.path)  # taken first: a file replaced after it is reopened
-        self._connection, self._schema_cookie = _connected(self.path, self.limits)
-        self._file, self._seen_version = identity, -1
-        self._changed()
-        return self._connection
-
-    def _locked(self) -> sqlite3.Connection:
-        """The connection in `BEGIN IMMEDIATE`, on the file now at the path: one removed or
-        replaced while this waited for the lock (another store's failed first use takes its
-        file away, `_unmake`) is opened anew, instead of failing as SQLite's read-only."""
-        connection = self._connect()
-        _begin_immediate(connection)
-        while _file_identity(self.path) != self._file:
-            connection.execute("ROLLBACK")
-            self._close_connection()
-            connection = self._connect()
-            _begin_immediate(connection)
-        return connection
-
-    def _prune(self, connection: sqlite3.Connection, now_ms: int) -> None:
-        """Drop what `_expired` names, passing over the rows only when the totals are unknown
-        or say a probation may have ended; the totals are known after."""
-        if self._totals is not None and not self._totals.due(now_ms):
-            return
-        rows = connection.execute(_PRUNABLE, (now_ms,)).fetchall()
-        expired = [(doc_id,) for doc_id, uses, until in rows if _expired(uses, until, now_ms)]
-        if expired:
-            connection.executemany("DELETE FROM memories WHERE id = ?", expired)
-            self._statistics.stale = True
-        self._totals = _Totals(*connection.execute(_TOTALS).fetchone())
-
-
-def _recheck(connection: sqlite3.Connection, cookie: int) -> tuple[int, int]:
-    """The file's `user_version` and `PRAGMA schema_version`, the whole file checked again
-    (`_check_file`) only when its schema changed since `cookie`."""
-    (now,) = connection.execute("PRAGMA schema_version").fetchone()
-    return (_schema_version(connection) if now == cookie else _check_file(connection)), now
-
-
-def _connected(path: str, limits: Limits) -> tuple[sqlite3.Connection, int]:
-    """A new connection to the checked file at `path`, its pragmas set and its schema made, and
-    the `PRAGMA schema_version` at which its objects were last checked."""
-    connection = _open(path, limits, isolation_level=None, check_same_thread=False)
-    try:
-        # Checked before anything writes: a refused file stays as it was.
-        _, cookie = _recheck(connection, -1)
-        connection.execute("PRAGMA journal_mode = DELETE")
-        connection.execute(f"PRAGMA page_size = {_PAGE_SIZE_BYTES}")
-        (page_size,) = connection.execute("PRAGMA page_size").fetchone()
-        connection.execute(f"PRAGMA max_page_count = {_max_pages(limits, page_size)}")
-        connection.execute("PRAGMA secure_delete = ON")
-        _begin_immediate(connection)
-        found, cookie = _recheck(connection, cookie)  # another process may have got there first
-        for statement in _SCHEMA:
-            connection.execute(statement)
-        if found == 0:
-            connection.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
-        connection.execute("COMMIT")
-    except BaseException:
-        connection.close()
-        raise
-    return connection, cookie
-
-
-def _store_error(error: sqlite3.Error, path: str, limits: Limits) -> TactmemError:
-    """A store operation's SQLite failure (`_storage_error`): SQLITE_FULL is the disk, not the
-    page budget, when the file system has less room than the budget still allows."""
-    failure = _storage_error(error)
-    if not isinstance(failure, DatabaseCapacity):
-        return failure
-    try:
-        room = os.statvfs(os.path.dirname(os.path.abspath(path)))
-        allowed = limits.database_bytes - os.path.getsize(path)
-    except OSError:
-        return failure
-    return DiskFull() if room.f_bavail * room.f_frsize < allowed else failure
-
-
-def _stats(store: Store, *, now_ms: int | None = None) -> dict[str, Any]:
-    """Usage against every bound (for `tactmem stats`); prunes like `list`."""
-    with store._transaction(prune_at=_now_ms(now_ms)) as connection:
-        rows = connection.execute(
-            f"SELECT COALESCE(length(CAST(content AS BLOB)), 0), {_RECORD_COLUMNS} FROM memories"
-        ).fetchall()
-        (pages,) = connection.execute("PRAGMA page_count").fetchone()
-        (page_size,) = connection.execute("PRAGMA page_size").fetchone()
-    path, real = os.path.abspath(store.path), os.path.realpath(store.path)  # and a link's
-    places = dict.fromkeys((path, os.path.dirname(path), real, os.path.dirname(real)))
-    sizes = {}
-    for name, suffix in _FILES.items():  # the main file and its sidecars
-        with contextlib.suppress(OSError):
-            sizes[name] = os.path.getsize(store.path + suffix)
-    return {
-        "path": store.path,
-        "open_to_others": list(filter(_open_to_others, places)),
-        "records": len(rows),
-        "hidden_records": sum(not _shown(Record.from_row(row[1:])) for row in rows),
-        "probation_records": sum(row[-1] is not None for row in rows),
-        "content_bytes": sum(row[0] for row in rows),
-        "database_bytes": pages * page_size,
-        "file_bytes": sizes,
-        "limits": attrs.asdict(store.limits),
-    }
-
-
-def export(store: Store, *, now_ms: int | None = None) -> Export:
-    """`store` as an export file: every visible record not expired at `now_ms`, by id.
-    Changes nothing (no telemetry, no prune); a store whose file does not exist yet
-    exports as empty, and still has no file."""
-    now = _now_ms(now_ms)
-    if not os.path.exists(store.path):
-        return _export_file((), 1, store.limits, now, __version__)
-    with store._transaction() as connection:
-        rows = connection.execute(f"SELECT {_RECORD_COLUMNS} FROM memories ORDER BY id")
-        records = list(map(Record.from_row, rows))
-        (next_id,) = connection.execute(_NEXT_ID).fetchone()
-    return _export_file(records, next_id, store.limits, now, __version__)
-
-
-def merge(store: Store, data: bytes, *, dry_run: bool = False, now_ms: int | None = None) -> Merged:
-    """Merge an export file into `store` in one transaction, as Tact's `pull` does (`_plan_merge`):
-    new records get fresh ids, version 1, fresh probation and no telemetry; records whose
-    identity the store or an earlier line holds are skipped. `dry_run` does the same and
-    rolls it back (a store with no file yet is planned as empty, and not created)."""
-    parsed, now = _parse_export(data, store.limits), _now_ms(now_ms)
-    return _merge_records(store, parsed.records, dry_run, now)
-
-
-def _merge_records(
-    store: Store, records: Sequence[tuple[int, Record]], dry_run: bool, now: int
-) -> Merged:
-    """`merge` of checked records, each with the line (or place) an error names."""
-    if dry_run and not os.path.exists(store.path):
-        inserts, skipped = _plan_merge(records, _NEW_STORE, store.limits, now)
-        return Merged(len(inserts), skipped)
-    with store._transaction(prune_at=now, commit=not dry_run) as connection:
-        inserts, skipped = _plan_merge(records, _read_batch(connection), store.limits, now)
-        connection.executemany(
-            _INSERT,
-            [
-                (new.key.id, new.key.version, new.content, identity, new.created_at_ms,
-                 new.updated_at_ms, new.probation_until_ms)
-                for new, identity in inserts
-            ],
-        )  # fmt: skip
-        store._changed()
-    return Merged(len(inserts), skipped)
-
-
-def restore(store: Store, data: bytes, *, now_ms: int | None = None) -> int:
-    """Recreate a backup exactly (`_plan_restore`) in `store`, which must never have held a record:
-    ids, versions, times, telemetry, probation and the allocator's next id. Returns the
-    number of records restored."""
-    del now_ms  # a restore records no time; the parameter keeps the API uniform
-    parsed = _parse_export(data, store.limits)
-    with store._transaction() as connection:
-        restored = _plan_restore(parsed.records, _read_batch(connection), store.limits)
-        connection.executemany(
-            _RESTORE,
-            [
-                (old.key.id, old.key.version, old.content, identity,
-                 *attrs.astuple(old, recurse=False)[2:])
-                for old, identity in restored
-            ],
-        )  # fmt: skip
-        connection.execute("UPDATE memory_metadata SET next_id = ? WHERE id = 1", (parsed.next_id,))
-        store._changed()
-    return len(restored)
-
-
-# ------------------------------------------------------------------------ the memory tool
-
-
-def _execute(store: Backend, request: _Request, now_ms: int, min_coverage: float = 0.0) -> Any:
-    """Carry out a checked request on any backend: its result, or the key it deleted."""
-    if request.operation == "scan":  # a backend without `min_coverage` serves the default
-        floor = {"min_coverage": min_coverage} if min_coverage else {}
-        return store.scan(request.query, limit=request.limit, now_ms=now_ms, **floor)
-    if request.operation == "read":  # by id (the default), and in team memory by key
-        found = store.read(request.ids, now_ms=now_ms) if request.ids or not request.keys else ()
-        if request.keys:
-            assert isinstance(store, TeamBackend)  # `MemoryTool(team=True)` made sure, or `main`
-            found += store.read_keys(request.keys)
-        return found
-    if request.operation == "put":
-        return store.put(request.content, replace=request.key, now_ms=now_ms)
-    assert request.key is not None
-    store.delete(request.key, now_ms=now_ms)
-    return request.key
-
-
-class MemoryTool:
-    """The `memory` tool for one agent: strict requests in, the reference's JSON shapes out.
-
-    `call` never raises for bad input: every failure becomes
-    `{"error": {"code": ..., "message": ...}}` and changes nothing. Only a root agent may put
-    or delete, and a put needs a successful scan since this tool's last put attempt. Scans
-    leave out candidates whose coverage is below `min_coverage` (0: none). `team=True` serves
-    team memory (a `TeamBackend`): `read` takes the keys scan returned (`tool_definition`).
-    """
-
-    def __init__(
-        self, store: Backend, *, root: bool, min_coverage: float = 0.0, team: bool = False
-    ) -> None:
-        if team and not isinstance(store, TeamBackend):
-            raise TypeError("MemoryTool(team=True) needs a TeamBackend, such as a RemoteStore")
-        self.store = store
-        self.root = root
-        self.team = team
-        self.min_coverage = _check_min_coverage(min_coverage)
-        self._lock = threading.Lock()
-        self._scanned = False
-
-    def call(
-        self, arguments: Mapping[str, Any] | str, *, now_ms: int | None = None
-    ) -> dict[str, Any]:
-        """Run one tool call; `arguments` is the decoded JSON object or its JSON text."""
-        try:
-            request = _parse_request(arguments, self.store.limits, team=self.team)
-            with self._lock:
-                return self._run(request, _now_ms(now_ms))
-        except TactmemError as error:
-            return _error_answer(error)
-
-    def _run(self, request: _Request, now: int) -> dict[str, Any]:
-        if request.operation in ("put", "delete") and not self.root:
-            raise NotRoot()
-        if request.operation == "put":
-            scanned, self._scanned = self._scanned, False  # every put attempt needs a new scan
-            if not scanned:
-                raise ScanRequired()
-        value = _execute(self.store, request, now, self.min_coverage)
-        if request.operation == "scan":
-            self._scanned = True
-        return _answer(request, value)
-
-
-# ------------------------------------------------------------------------ config files
-
-
-def resolve_config_path(
-    explicit: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
-) -> str:
-    """The config file: `--config`, then `TACT_CONFIG`, `$TACT_HOME/config.toml`, `~/.tact/`."""
-    env = os.environ if environ is None else environ
-    if explicit is not None and not os.fspath(explicit):
-        raise ConfigError("--config needs the path of a config file")
-    chosen = os.fspath(explicit) if explicit is not None else env.get("TACT_CONFIG", "")
-    if chosen:
-        return os.path.abspath(chosen)
-    if env.get("TACT_HOME"):
-        return os.path.abspath(os.path.join(env["TACT_HOME"], "config.toml"))
-    home = env.get("HOME") or env.get("USERPROFILE")
-    if not home:
-        raise ConfigError(
-            "could not determine the config directory; set TACT_HOME or pass --config"
-        )
-    return os.path.join(home, ".tact", "config.toml")
-
-
-def memory_db_path(config_path: str | os.PathLike[str]) -> str:
-    """The one memory database of a configuration: `<config-dir>/memory/v1.sqlite3`."""
-    return os.path.join(os.path.dirname(os.path.abspath(config_path)), "memory", "v1.sqlite3")
-
-
-_CONFIG_BYTES: Final = 65_536  # a config file holds one table with one key
-
-
-def _read_small_file(path: str, limit: int) -> bytes | None:
-    """At most `limit + 1` bytes of a regular file, or None if `path` names something else (a
-    directory, a device such as `/dev/zero`, a FIFO: opened without blocking, so a FIFO with no
-    writer is refused instead of waited on). Raises `OSError`, or `ValueError` for a name no
-    file can have (a NUL, a lone surrogate)."""
-    import stat
-
-    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            return None
-        with open(descriptor, "rb", closefd=False) as file:
-            return file.read(limit + 1)
-    finally:
-        os.close(descriptor)
-
-
-def load_config(
-    explicit: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None
-) -> Config:
-    """Read the selected config file; a missing implicit file means the defaults. Only a
-    regular file of at most `_CONFIG_BYTES` is read."""
-    env = os.environ if environ is None else environ
-    path = resolve_config_path(explicit, environ=env)
-    try:
-        data = _read_small_file(path, _CONFIG_BYTES)
-    except FileNotFoundError:
-        if explicit is not None or env.get("TACT_CONFIG"):
-            raise ConfigError(f"config file not found: {path}") from None
-        return Config(path)
-    except OSError:
-        raise ConfigError(f"could not read the config file {path}") from None
-    except ValueError:
-        raise ConfigError("the config file's name is one no file can have") from None
-    if data is None:
-        raise ConfigError(f"the config file {path} is not a regular file")
-    if len(data) > _CONFIG_BYTES:
-        raise ConfigError(f"the config file {path} is larger than {_CONFIG_BYTES} bytes")
-    config = _parse_config(path, data)
-    if config.remote is not None:
-        _check_private(path)
-    return config
-
-
-def _parse_config(path: str, data: bytes) -> Config:
-    import tomllib  # only the commands that read a config pay for it
-
-    try:
-        document = tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
-        # tomllib's message can quote a key or value from the file: name only where it is
-        place = re.search(r"at line \d+, column \d+|at end of document", str(error))
-        where = place.group() if place else "not UTF-8"
-        raise ConfigError(f"config file {path} is not valid TOML ({where})") from None
-    except RecursionError:  # arrays or inline tables nested thousands deep
-        raise ConfigError(f"config file {path} is not valid TOML (nested too deeply)") from None
-    memory = document.get("memory", {})
-    if not isinstance(memory, dict):
-        raise ConfigError(f"[memory] in {path} must be a table")
-    for name in memory:
-        if name not in ("enabled", "remote"):
-            raise ConfigError(f"unknown key in [memory] of {path}: {_field_label(name)}")
-    enabled = memory.get("enabled", False)
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"memory.enabled in {path} must be true or false")
-    return Config(path, memory_enabled=enabled, remote=_remote_config(path, memory))
-
-
-# `[memory.remote]`: each key, and what it must hold (an empty value: not set).
-_REMOTE_KEYS: Final[dict[str, tuple[type, str]]] = {
-    "endpoint": (str, "a string"), "namespace": (str, "a string"),
-    "bearer_token": (str, "a string"), "workspace_roots": (list, "a list of paths"),
-}  # fmt: skip
-
-
-def _remote_config(path: str, memory: Mapping[str, Any]) -> RemoteConfig | None:
-    """`[memory.remote]` as the original reads it: absent or all empty is no team memory;
-    otherwise every key is required. Messages never hold the token or the endpoint."""
-    remote = memory.get("remote", {})
-    if not isinstance(remote, dict):
-        raise ConfigError(f"[memory.remote] in {path} must be a table")
-    for name, value in remote.items():
-        if name not in _REMOTE_KEYS:
-            raise ConfigError(f"unknown key in [memory.remote] of {path}: {_field_label(name)}")
-        kind, wanted = _REMOTE_KEYS[name]
-        values: list[object] = value if isinstance(value, list) else [value]
-        if not isinstance(value, kind) or not all(map(_is_text, values)):
-            raise ConfigError(f"memory.remote.{name} in {path} must be {wanted}")
-    if not any(remote.values()):
-        return None
-    if not all(remote.get(name) for name in _REMOTE_KEYS):
-        raise ConfigError(
-            f"[memory.remote] in {path} needs an endpoint, namespace, bearer_token and at least"
-            " one workspace root"
-        )
-    base = os.path.dirname(path)
-    roots = tuple(
-        os.path.join(base, os.path.expanduser(root)) for root in remote["workspace_roots"]
-    )
-    endpoint, namespace = _check_endpoint(remote["endpoint"]), _check_namespace(remote["namespace"])
-    return RemoteConfig(endpoint, namespace, _check_token(remote["bearer_token"]), roots)
-
-
-def _check_private(path: str) -> None:
-    """A config that holds a bearer token must be readable by its owner only (mode 0600)."""
-    mode = os.stat(path).st_mode & 0o777
-    if mode & 0o077:
-        raise ConfigError(
-            f"config file {path} holds a remote memory bearer token but its mode is {mode:#o};"
-            " remove all group and other permissions (chmod 600)"
-        )
-
-
-def _git_common_dir(path: str) -> str | None:
-    """The shared `.git` directory of the repository or linked worktree holding `path`."""
-    for directory in (path, *_parents(path)):
-        dot_git = os.path.join(directory, ".git")
-        if os.path.isdir(dot_git) and not os.path.islink(dot_git):
-            return os.path.realpath(dot_git)
-        if not os.path.isfile(dot_git):
-            continue
-        try:
-            with open(dot_git, encoding="utf-8") as file:
-                line = file.read(4096).strip()
-            if not line.startswith("gitdir: "):
-                return None
-            git_dir = os.path.realpath(os.path.join(directory, line.removeprefix("gitdir: ")))
-            with open(os.path.join(git_dir, "commondir"), encoding="utf-8") as file:
-                return os.path.realpath(os.path.join(git_dir, file.read(4096).strip()))
-        except (OSError, UnicodeDecodeError, ValueError):
-            return None
-    return None
-
-
-def _parents(path: str) -> Iterator[str]:
-    while (parent := os.path.dirname(path)) != path:
-        yield parent
-        path = parent
-
-
-def _in_workspace(remote: RemoteConfig, workspace: str) -> bool:
-    """Whether `workspace` is inside a configured root (canonical paths), or in a linked
-    worktree of a repository inside one. A root that is not a directory is an error."""
-    here = os.path.realpath(workspace)
-    roots = []
-    for root in remote.workspace_roots:
-        canonical = os.path.realpath(root)
-        if not os.path.isdir(canonical):
-            raise ConfigError(f"remote memory workspace root is not a directory: {root}")
-        roots.append(canonical)
-    if any(os.path.commonpath([here, root]) == root for root in roots):
-        return True
-    common = _git_common_dir(here)
-    return common is not None and any(
-        os.path.commonpath([common, root]) == root or _git_common_dir(root) == common
-        for root in roots
-    )
-
-
-# ------------------------------------------------------------------------ the remote store
+# ------------------------------------------------------------ team memory: the remote store (I/O)
 # `RemoteStore` speaks protocol v1 with the original client's transport rules: 750 ms to
 # connect, 2 s per request (a deadline from the connect to the last byte: `_Deadline`), 3
 # attempts 100 and 250 ms apart, `Retry-After` honoured up to 2 s, answers of at most 8 MiB. A
 # 429, 502, 503 or 504 is retried only by operations that are safe to repeat (session, list,
 # delete, sync, export); scan, read and put retry only a connection that failed to open. One
 # store sends one request at a time, for the bookmark.
+
 
 _CONNECT_TIMEOUT_S: Final = 0.75
 _REQUEST_TIMEOUT_S: Final = 2.0
@@ -5702,36 +6329,6 @@ _BOOKMARK: Final = "x-tact-memory-bookmark"
 _RETRIED: Final = frozenset((429, 502, 503, 504))
 _REPEATABLE: Final = frozenset(("session", "memories/list", "memories/delete",
                                 "memories/sync", "memories/export"))  # fmt: skip
-
-
-def _check_endpoint(endpoint: str) -> str:
-    """The endpoint's base URL, ending in `/`: https, or plain http to this machine only (a
-    token must never cross a network in the clear); no user name or password in it."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(endpoint)
-        host, _ = parts.hostname, parts.port  # a port that is not a number raises
-    except ValueError:
-        raise ConfigError("remote memory endpoint is not a valid URL") from None
-    if parts.scheme not in ("https", "http") or not host or parts.query or parts.fragment:
-        raise ConfigError("remote memory endpoint must be an https:// URL with a host")
-    if "@" in parts.netloc:
-        raise ConfigError("remote memory endpoint must not hold a user name or password")
-    if parts.scheme == "http" and host not in _LOOPBACK:
-        raise ConfigError(
-            "remote memory endpoint must use https (plain http only to 127.0.0.1, localhost, ::1)"
-        )
-    return endpoint if endpoint.endswith("/") else endpoint + "/"
-
-
-def _check_token(token: object) -> str:
-    if not isinstance(token, str) or not _REMOTE_TOKEN.fullmatch(token):
-        raise ConfigError(
-            "remote memory bearer token must be 1 to 4096 characters,"
-            " each a letter, a digit or one of - . _ ~ + / ="
-        )
-    return token
 
 
 class _NotConnected(Exception):
@@ -6149,7 +6746,7 @@ class RemoteStore:
             self._bookmark = values[0]
 
 
-# ------------------------------------------------------------------------ the team links
+# ------------------------------------------------------------ team memory: the team links (I/O)
 # `<database>-team` (README, "The push rule"): this store's `_Link`s, by server and namespace,
 # as JSON, written whole (a temporary file, then a rename) by each push and pull. Before its
 # sync a push writes the links its plan will make as `pending`, and before its merge a pull
@@ -6159,6 +6756,7 @@ class RemoteStore:
 # the store's next id when it was written: a store whose allocator is below it is not the one
 # the links describe (a restored backup, a store made anew at the path), so its links are left
 # out. One push or pull of a store at a time: each holds a lock of the store's directory.
+
 
 _LINKS_BYTES: Final = 1 << 20  # some 4,000 links: far more than a store and a pull hold
 _LINKS_DAMAGED: Final = "team links file {} is damaged; move it away to push and pull without it"
@@ -6308,495 +6906,7 @@ def _links_document(found: Any) -> bool:
     )  # fmt: skip
 
 
-# ------------------------------------------------------------------------ MCP server
-
-
-# What an MCP request is served: the `memory` tool's definition as the caller sees it, and
-# the function that answers the caller's calls (a `MemoryTool.call`).
-_McpSurface = tuple[dict[str, Any], Callable[[dict[str, Any]], dict[str, Any]]]
-
-
-def _mcp_server(
-    surface: Callable[[Any], _McpSurface], *, instructions: str | None = None, limiter: Any = None
-) -> Any:
-    """The `memory` tool as a low-level server of the official MCP SDK (the `tactmem[mcp]`
-    extra), for any transport: `tactmem mcp` serves it on stdio, `tactmem-server` over
-    streamable HTTP. `surface(context)` picks, per request, what the caller sees and who
-    answers; a call runs in a worker thread (of `limiter`, when given) and its answer travels
-    both as structured content and as JSON text."""
-    import anyio
-    import mcp.types
-    from mcp.server.lowlevel import Server
-
-    async def list_tools(context: object, _params: object) -> mcp.types.ListToolsResult:
-        definition, _ = surface(context)
-        return mcp.types.ListToolsResult(tools=[mcp.types.Tool(**definition)])
-
-    async def call_tool(
-        context: object, params: mcp.types.CallToolRequestParams
-    ) -> mcp.types.CallToolResult:
-        _, answer = surface(context)
-        if params.name != "memory":
-            result = _error_answer(InvalidRequest("unknown tool"))
-        else:
-            arguments = dict(params.arguments or {})
-            result = await anyio.to_thread.run_sync(answer, arguments, limiter=limiter)
-        return mcp.types.CallToolResult(
-            content=[mcp.types.TextContent(type="text", text=_json(result))],
-            structured_content=result,
-            is_error="error" in result,
-        )
-
-    return Server(
-        "tactmem", version=__version__, instructions=instructions,
-        on_list_tools=list_tools, on_call_tool=call_tool,
-    )  # fmt: skip
-
-
-def _serve_mcp(tool: MemoryTool | None, off: TactmemError | None, *, root: bool) -> None:
-    """Serve `tool` over MCP stdio with the official SDK (the `tactmem[mcp]` extra); when
-    memory is `off` (disabled, or the config is broken), a tool that answers every call with
-    that error and touches no store."""
-    try:
-        import anyio
-        from mcp.server.stdio import stdio_server
-    except ImportError:
-        raise TactmemError("tactmem mcp needs the MCP SDK: pip install 'tactmem[mcp]'") from None
-    # Flat: hosts such as Claude Code refuse a top-level oneOf.
-    limits = _DEFAULT_LIMITS if tool is None else tool.store.limits
-    definition = tool_definition(
-        flat=True, root=root, team=tool is not None and tool.team, limits=limits
-    )
-    if off is not None:
-        definition["description"] = f"Disabled: {off}. Every call fails until it is enabled."
-    if tool is None or off is not None:  # no tool is made without an `off` reason
-        surface: _McpSurface = (definition, lambda _: _error_answer(off or ConfigError()))
-    else:
-        surface = (definition, tool.call)
-    server = _mcp_server(lambda _context: surface, instructions=None if off is None else f"{off}.")
-
-    async def serve() -> None:
-        async with stdio_server() as (read_stream, write_stream):
-            await server.run(read_stream, write_stream, server.create_initialization_options())
-
-    anyio.run(serve)
-
-
-# ------------------------------------------------------------------------ the browser's terminal
-
-
-def _browse(store: Backend, enabled: bool | None, team: str = "") -> None:
-    """`tactmem browse`: the pure browser driven by curses, its effects carried out on `store`
-    (`team`: team memory's own namespace, shown read-only)."""
-    import curses
-    import locale
-
-    if not (sys.stdin and sys.stdin.isatty() and sys.stdout and sys.stdout.isatty()):
-        raise TactmemError("browse needs a terminal")
-    with contextlib.suppress(locale.Error):
-        locale.setlocale(locale.LC_ALL, "")
-    os.environ.setdefault("ESCDELAY", "25")  # Esc answers at once, not after a second
-    try:
-        curses.wrapper(_browse_loop, store, _Browser(enabled=enabled, team=team))
-    except curses.error:
-        raise TactmemError("the terminal could not be used (is TERM set?)") from None
-
-
-_CURSES_KEYS: Final = {
-    "KEY_UP": "up", "KEY_DOWN": "down", "KEY_PPAGE": "pgup", "KEY_NPAGE": "pgdn",
-    "KEY_ENTER": "enter", "KEY_BACKSPACE": "backspace", "KEY_DC": "delete",
-}  # fmt: skip
-_CONTROL_KEYS: Final = {
-    "\n": "enter", "\r": "enter", "\t": "tab", "\x1b": "esc", "\x7f": "backspace",
-    "\x08": "backspace", "\x04": "ctrl-d", "\x12": "ctrl-r",
-}  # fmt: skip
-
-
-def _key_event(key: int | str, key_name: Callable[[int], bytes]) -> _Event | None:
-    if isinstance(key, int):
-        name = _CURSES_KEYS.get(key_name(key).decode("ascii", "replace"))
-        return None if name is None else ("key", name)
-    if key in _CONTROL_KEYS:
-        return ("key", _CONTROL_KEYS[key])
-    return ("char", key) if key.isprintable() else None
-
-
-def _carry_out(effect: _Effect, store: Backend) -> _Event | None:
-    if effect[0] == "load":
-        now = _now_ms()
-        try:
-            return ("loaded", store.list(now_ms=now), now)
-        except TactmemError as error:
-            return ("load_failed", str(error))
-    if effect[0] == "delete":
-        try:
-            store.delete(effect[1])
-        except TactmemError as error:
-            return ("delete_failed", effect[1], error.code, str(error))
-        return ("deleted", effect[1])
-    return None
-
-
-def _browse_loop(screen: Any, store: Backend, state: _Browser) -> None:
-    import curses
-
-    with contextlib.suppress(curses.error):
-        curses.curs_set(0)
-    styles = {"title": curses.A_BOLD, "selected": curses.A_REVERSE, "dim": curses.A_DIM}
-    screen.keypad(True)
-    effects: list[_Effect] = [("load",)]
-    while True:
-        while effects:
-            effect = effects.pop(0)
-            if effect[0] == "quit":
-                return
-            event = _carry_out(effect, store)
-            if event is not None:
-                state, more = _browse_step(state, event)
-                effects.extend(more)
-            if effect[0] == "delete":
-                curses.flushinp()  # keys held or typed during the delete are not presses
-        state, _ = _browse_step(state, ("tick", _now_ms()))  # ages as of this redraw
-        height, width = screen.getmaxyx()
-        if (width, height) != (state.width, state.height):
-            state, _ = _browse_step(state, ("size", width, height))
-        screen.erase()
-        for row, (style, text) in enumerate(_browse_screen(state, width, height)):
-            with contextlib.suppress(curses.error):  # the bottom-right cell cannot be written
-                screen.addstr(row, 0, text, styles.get(style, curses.A_NORMAL))
-        screen.refresh()
-        screen.timeout(_TICK_MS)
-        try:
-            key = screen.get_wch()
-        except curses.error:  # no key within the tick: redraw, so the ages move on
-            continue
-        if key == "\x1b" and _next_key_waiting(screen):
-            continue  # Alt+key arrives as Esc then the key: neither quits nor filters
-        event = _key_event(key, curses.keyname)
-        if event is not None:
-            asked = state.confirm
-            state, effects = _browse_step(state, event)
-            if state.confirm is not None and state.confirm != asked:
-                curses.flushinp()  # only a press after the question confirms it, not a repeat
-
-
-_TICK_MS: Final = 15_000  # how often an idle browser redraws, so that its ages stay true
-
-
-def _next_key_waiting(screen: Any) -> bool:
-    """Consume and report a key that is already waiting (the second half of Alt+key)."""
-    import curses
-
-    screen.nodelay(True)
-    try:
-        screen.get_wch()
-        return True
-    except curses.error:
-        return False
-    finally:
-        screen.nodelay(False)
-
-
-# ------------------------------------------------------------------------ evaluation runs
-
-_EVAL_EPOCH_MS: Final = 1_767_225_600_000  # 2026-01-01T00:00:00Z: scenario clocks start here
-_EVAL_FILE_BYTES: Final = 16 << 20  # a scenario or paired-run file larger than this is refused
-
-
-class _Scenario:
-    """One scenario file run on a fresh store through a root and a child `MemoryTool`, as
-    agents call them, on a clock that starts at `_EVAL_EPOCH_MS` and moves 1 ms per call (and
-    as `advance` steps say). `run` hands what it saw to `_eval_report`."""
-
-    def __init__(
-        self, store: Store, source: str, min_coverage: float, sweep: Sequence[float] = ()
-    ) -> None:
-        self.store, self.source, self.now, self.sweep = store, source, _EVAL_EPOCH_MS, sweep
-        self.tools = {
-            agent: MemoryTool(store, root=agent == "root", min_coverage=min_coverage)
-            for agent in _AGENTS
-        }
-        self.labels: dict[str, Key] = {}
-        self.live: dict[int, int | None] = {}  # id -> its probation's end, None once read
-        self.scans: list[_ScanOutcome] = []
-        self.swept: dict[float, list[_ScanOutcome]] = {point: [] for point in sweep}
-        self.missed: list[dict[str, str]] = []
-        self.counts: Counter[str] = Counter()
-        self.latency_ms: dict[str, list[float]] = {}
-        self.answer_bytes: dict[str, list[int]] = {}
-
-    def run(self, steps: Iterable[_EvalStep]) -> _RunFigures:
-        for step in steps:
-            getattr(self, f"_{step.kind}")(step, step.fields.get("agent", "root"))
-        records = self.store.list(now_ms=self.now)
-        telemetry = {
-            "scan_marks": sum(record.scan_count for record in records),
-            "use_marks": sum(record.use_count for record in records),
-            "scanned_never_read": sum(r.scan_count >= 3 and not r.use_count for r in records),
-        }
-        return _RunFigures(
-            self.source, tuple(self.scans), tuple(self.missed), dict(self.counts), telemetry,
-            {name: tuple(times) for name, times in self.latency_ms.items()},
-            {name: tuple(sizes) for name, sizes in self.answer_bytes.items()},
-            _stats(self.store, now_ms=self.now)["file_bytes"],
-            {point: tuple(scans) for point, scans in self.swept.items()},
-        )  # fmt: skip
-
-    def call(self, agent: str, request: dict[str, Any]) -> dict[str, Any]:
-        self.now += 1
-        started = time.perf_counter()
-        answer = self.tools[agent].call(request, now_ms=self.now)
-        operation = request["operation"]
-        self.latency_ms.setdefault(operation, []).append((time.perf_counter() - started) * 1000)
-        if operation in ("scan", "read"):
-            self.answer_bytes.setdefault(operation, []).append(len(_json(answer)))
-        return answer
-
-    def settle(self, step: _EvalStep, answer: Mapping[str, Any], success: str) -> bool:
-        """Check a write's expected outcome, and count the promises a success broke."""
-        got = answer["error"]["code"] if "error" in answer else success
-        expected = step.fields.get("expect", success)
-        self.expect(step, expected, got)
-        if got == success:
-            self.counts.update(
-                name
-                for name, broken in (
-                    ("duplicate_puts_accepted", expected == "duplicate"),
-                    ("secret_puts_accepted", expected == "secret_rejected"),
-                    ("stale_writes_accepted",
-                     expected == "conflict" or step.fields.get("version") == "stale"),
-                    ("forbidden_writes", step.fields.get("agent") == "child"),
-                )
-                if broken
-            )  # fmt: skip
-        return got == success
-
-    def expect(self, step: _EvalStep, expected: str, got: str) -> None:
-        if got == expected:
-            self.counts["expectations_met"] += 1
-        else:
-            self.missed.append({"where": step.where, "expected": expected, "got": got})
-
-    def version(self, step: _EvalStep) -> int:
-        """The version a write names: the one last seen, one the record no longer has (the one
-        before, or after a first version), or the number given."""
-        current = self.labels[step.fields["target"]].version
-        named = step.fields["version"]
-        if named == "stale":
-            return current - 1 if current > 1 else current + 1
-        return current if named == "current" else int(named)
-
-    def _put(self, step: _EvalStep, agent: str) -> None:
-        content, target = step.fields["content"], step.fields.get("target")
-        if target is not None and target not in self.labels:  # its put was refused
-            return self.expect(step, step.fields.get("expect", "stored"), "target_never_stored")
-        if not self.tools[agent]._scanned:  # the gate, passed the way an agent passes it
-            query = preview(content, self.store.limits.query_bytes)
-            self.call(agent, {"operation": "scan", "query": query if query.strip() else "?"})
-        request: dict[str, Any] = {"operation": "put", "content": content}
-        if target is not None:
-            request["replace"] = {"id": self.labels[target].id, "version": self.version(step)}
-        answer = self.call(agent, request)
-        if self.settle(step, answer, "stored"):
-            key = Key(**answer["memory"]["key"])
-            self.labels.update({label: key for label in (target, step.fields.get("as")) if label})
-            # the probation the rules promise, not the one the store reports
-            self.live[key.id] = min(self.now + self.store.limits.probation_ms, _MAX_SQL_INT)
-
-    _replace = _put
-
-    def _limits(self, step: _EvalStep, _: str) -> None:
-        """Taken by `_parse_scenario` before the store opened."""
-
-    def _delete(self, step: _EvalStep, agent: str) -> None:
-        target = step.fields["target"]
-        if target not in self.labels:
-            return self.expect(step, step.fields.get("expect", "deleted"), "target_never_stored")
-        doc_id = self.labels[target].id
-        answer = self.call(
-            agent, {"operation": "delete", "id": doc_id, "version": self.version(step)}
-        )
-        if self.settle(step, answer, "deleted"):
-            self.live.pop(doc_id, None)
-
-    def _scan(self, step: _EvalStep, agent: str) -> None:
-        """A scored scan. Its relevant records are those of its labels still stored: a label
-        whose put was refused, or whose record was deleted or pruned, answers nothing."""
-        query = step.fields["query"]
-        answer = self.call(agent, {"operation": "scan", "query": query})
-        if "error" in answer:  # a missed expectation, and no scan to score
-            return self.expect(step, "a scan", answer["error"]["code"])
-        labelled = (self.labels.get(label) for label in step.fields["relevant"])
-        relevant = frozenset(key.id for key in labelled if key and self.stored(key.id))
-        returned = tuple(card["key"]["id"] for card in answer.get("candidates", ()))
-        category = step.fields.get("category", "uncategorized")
-        self.scans.append(_ScanOutcome(self.source, category, relevant, returned))
-        limits, terms = self.store.limits, _query_terms(query)  # the query is checked already
-        for point in self.sweep:  # what a scan at each point would return, without telemetry
-            plan = _plan_scan(
-                self.store._statistics.corpus, terms, limits.scan_results, limits, point
-            )
-            self.swept[point].append(_ScanOutcome(self.source, category, relevant, plan.scanned))
-
-    def stored(self, doc_id: int) -> bool:
-        """Whether the rules keep the record now: written, not deleted, and read or within
-        its probation (a deadline can pass between `advance` steps, 1 ms a call)."""
-        until = self.live.get(doc_id, 0)
-        return doc_id in self.live and (until is None or until > self.now)
-
-    def _read(self, step: _EvalStep, agent: str) -> None:
-        ids = [self.labels[label].id for label in step.fields["ids"] if label in self.labels]
-        answer = self.call(agent, {"operation": "read", "ids": ids})
-        if "error" in answer:
-            self.expect(step, "a read", answer["error"]["code"])
-        for record in answer.get("memories", ()):
-            if record["key"]["id"] in self.live:
-                self.live[record["key"]["id"]] = None  # read: out of probation for good
-
-    def _advance(self, step: _EvalStep, _: str) -> None:
-        """Move the clock, then check probation: a record read since its last write, and an
-        unread one within its period, is kept; an unread one past it is pruned."""
-        fields, counts = step.fields, self.counts
-        self.now += fields["ms"] if "ms" in fields else round(fields["days"] * _DAY_MS)
-        present = {record.key.id for record in self.store.list(now_ms=self.now)}
-        for doc_id, until in list(self.live.items()):
-            keep = until is None or until > self.now
-            group = "read" if until is None else "unexpired" if keep else "expired"
-            counts[f"{group}_checked"] += 1
-            counts[f"{group}_right"] += (doc_id in present) == keep
-            if doc_id not in present:
-                del self.live[doc_id]
-
-
-def _read_eval_file(path: str) -> str:
-    """A scenario, paired-run or thresholds file: a regular file of at most `_EVAL_FILE_BYTES`,
-    UTF-8 (a leading byte-order mark is dropped)."""
-    try:
-        data = _read_small_file(path, _EVAL_FILE_BYTES)
-    except OSError as error:
-        raise _BadScenario(f"{path}: cannot be read ({error.strerror})") from None
-    except ValueError:  # a NUL or a lone surrogate in the name
-        raise _BadScenario("a file name that no file can have") from None
-    if data is None:
-        raise _BadScenario(f"{path}: not a regular file")
-    if len(data) > _EVAL_FILE_BYTES:
-        raise _BadScenario(f"{path}: larger than {_EVAL_FILE_BYTES} bytes")
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise _BadScenario(f"{path}: not UTF-8") from None
-
-
-def _shipped_scenarios() -> list[str]:
-    """The shipped scenario files, relative to the working directory."""
-    try:
-        return sorted(
-            os.path.relpath(os.path.join(base, name))
-            for base in filter(None, map(_shipped_eval, ("dev", "heldout", "contract")))
-            for name in os.listdir(base)
-            if name.endswith(".jsonl")
-        )
-    except OSError as error:
-        raise _BadScenario(f"the shipped scenarios cannot be listed ({error.strerror})") from None
-
-
-def _shipped_eval(name: str) -> str | None:
-    """`fixtures/eval/<name>` beside this file (a checkout or vendored copy), else in the
-    working directory (an installed tactmem run from a checkout)."""
-    for base in (os.path.dirname(os.path.abspath(__file__)), os.getcwd()):
-        path = os.path.join(base, "fixtures", "eval", name)
-        if os.path.exists(path):
-            return path
-    return None
-
-
-def _run_scenarios(
-    scenarios: Sequence[tuple[str, Limits, list[_EvalStep]]],
-    min_coverage: float,
-    sweep: Sequence[float] = (),
-) -> list[_RunFigures]:
-    import tempfile
-
-    runs = []
-    for source, limits, steps in scenarios:
-        with (
-            tempfile.TemporaryDirectory(prefix="tactmem-eval-") as directory,
-            Store(os.path.join(directory, "memory.sqlite3"), limits=limits) as store,
-        ):
-            try:
-                runs.append(_Scenario(store, source, min_coverage, sweep).run(steps))
-            except TactmemError as error:  # the runner's own list or stats, not a tool call
-                raise _BadScenario(f"{source}: the store refused the scenario ({error})") from None
-    return runs
-
-
-def _eval_command(arguments: argparse.Namespace) -> int:
-    """`tactmem eval`: score scenarios (or judge paired runs) against a thresholds file."""
-    for clash, message in (
-        (arguments.paired is not None and (arguments.files or arguments.sweep),
-         "--paired judges recorded runs: it takes no scenario files or --sweep"),
-        (arguments.min_coverage is not None and (arguments.sweep or arguments.paired),
-         "--min-coverage does not apply to --sweep or --paired"),
-        (arguments.sweep and arguments.thresholds,
-         "--sweep draws the curve: it takes no --thresholds"),
-    ):  # fmt: skip
-        if clash:
-            raise _UsageError(message)
-    shipped = not arguments.files  # the shipped thresholds are for the shipped scenarios
-    path = arguments.thresholds or (_shipped_eval("thresholds.toml") if shipped else None)
-    thresholds = {} if path is None else _parse_thresholds(_read_eval_file(path), path)
-    if arguments.paired is not None:
-        return _paired_command(arguments, thresholds)
-    files = arguments.files or _shipped_scenarios()
-    if not files:
-        raise _BadScenario("no scenario files given, and no fixtures/eval/ here to run")
-    scenarios = [(file, *_parse_scenario(_read_eval_file(file), file)) for file in files]
-    if arguments.sweep:
-        return _sweep_command(arguments, scenarios)
-    coverage = arguments.min_coverage
-    coverage = thresholds.get("min_coverage", 0.0) if coverage is None else coverage
-    runs = _run_scenarios(scenarios, coverage)
-    baseline = _run_scenarios(scenarios, 0.0) if coverage else []
-    report = _eval_report(runs, coverage, thresholds, baseline)
-    print(_json(report) if arguments.json else "\n".join(_eval_lines(report)))
-    return 0 if report["passed"] else 1
-
-
-def _sweep_command(
-    arguments: argparse.Namespace, scenarios: Sequence[tuple[str, Limits, list[_EvalStep]]]
-) -> int:
-    """`tactmem eval --sweep`: the curve, from one run (scans leave the ranking as it was)."""
-    runs = _run_scenarios(scenarios, 0.0, _SWEEP)
-    rows = [(x, _retrieval([scan for run in runs for scan in run.swept[x]])) for x in _SWEEP]
-    if arguments.json:
-        print(_json([{"min_coverage": x, **figures} for x, figures in rows]))
-    else:
-        print("\n".join(_sweep_lines(rows)))
-    missed = sum(len(run.missed) for run in runs)
-    if missed:
-        print(f"tactmem: {missed} expectations missed; run without --sweep to see them",
-              file=sys.stderr)  # fmt: skip
-    return 1 if missed else 0
-
-
-def _paired_command(arguments: argparse.Namespace, thresholds: Mapping[str, Any]) -> int:
-    """`tactmem eval --paired`: the keep-or-remove verdict; exit 0 only for `keep`."""
-    margins = thresholds.get("paired", {})
-    if set(_PAIRED_MARGINS) - margins.keys():
-        where = arguments.thresholds or "--paired needs --thresholds (none shipped here), and it"
-        raise _BadScenario(f"{where}: needs every [paired] margin: " + ", ".join(_PAIRED_MARGINS))
-    pairs = _parse_paired(_read_eval_file(arguments.paired), arguments.paired)
-    report = _paired_report(pairs, margins)
-    print(_json(report) if arguments.json else "\n".join(_paired_lines(report)))
-    return 0 if report["verdict"] == "keep" else 1
-
-
-# ------------------------------------------------------------------------ command line
-
-
-class _UsageError(Exception):
-    pass
-
+# ============================================================ command line (I/O)
 
 # argparse's messages that repeat what was typed (which could be a secret), reworded to name the
 # argument instead; every other argparse message names only arguments and choices.
@@ -6898,12 +7008,6 @@ def _read_stdin(limit: int) -> str:
     if len(text.encode("utf-8", "surrogatepass")) > limit:
         raise ContentTooLarge(limit)
     return text
-
-
-def _json(value: object) -> str:
-    import json
-
-    return json.dumps(value)
 
 
 def _tool_request(arguments: argparse.Namespace, store: Backend) -> dict[str, Any]:
@@ -7062,47 +7166,6 @@ def _stats_command(store: Store, arguments: argparse.Namespace, config: Config |
         print(f"{name + ' file':<15}{size} bytes")
     for place in stats["open_to_others"]:
         print(f"tactmem: warning: group or others may read or write {place}", file=sys.stderr)
-
-
-def _read_export(name: str, limits: Limits) -> bytes:
-    """An export file, or standard input for `-`: at most one byte more than the largest
-    export `limits` allow (which `_parse_export` refuses), so a huge input is never held."""
-    most = _export_bytes(limits)
-    if name == "-":
-        if sys.stdin is None:
-            raise InvalidRequest("there is no standard input to read the export from")
-        data = getattr(sys.stdin, "buffer", sys.stdin).read(most + 1)
-        return data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
-    try:
-        found = _read_small_file(name, most)
-    except OSError as error:
-        raise InvalidExport(f"export file: cannot be read ({error.strerror})") from None
-    except ValueError:
-        raise InvalidExport("export file: a name no file can have") from None
-    if found is None:
-        raise InvalidExport("export file: not a regular file")
-    return found
-
-
-def _write_private(name: str, data: bytes, prefix: str = ".tactmem-export-") -> None:
-    """Write a whole file `0600` or nothing: a temporary file beside it, then a rename."""
-    import tempfile
-
-    try:
-        directory = os.path.dirname(os.path.abspath(name))
-        descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=prefix)
-    except ValueError:
-        raise InvalidRequest("the export file's name is one no file can have") from None
-    try:
-        with open(descriptor, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, name)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
 
 
 def _export_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:

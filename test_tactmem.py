@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import bisect
 import contextlib
 import copy
 import io
@@ -1678,17 +1679,20 @@ IO_MODULES = {
 }  # fmt: skip
 IO_NAMES = {"open", "print", "input", "__import__", "exec", "eval", "breakpoint", "globals"}
 CLOCK_ATTRIBUTES = {"now", "today", "utcnow"}  # datetime's clock; the core takes `now_ms`
-PURE_BANNER = re.compile(r"^# =+ ([a-z ]+) \(pure\)$|^# =+ [^\n]*$", re.MULTILINE)
+BANNER = re.compile(r"^# (=+|-+) (.+)$", re.MULTILINE)  # `====` opens a part, `----` a section
 
 
 def pure_sections(source: str) -> dict[str, str]:
-    """The source of every banner section marked `(pure)`, by name."""
-    banners = list(PURE_BANNER.finditer(source))
-    return {
-        banner.group(1): source[banner.end() : following.start() if following else len(source)]
-        for banner, following in zip(banners, [*banners[1:], None], strict=True)
-        if banner.group(1)
-    }
+    """The source of every banner section marked `(pure)`, by name: a part (`# ====`) runs to
+    the next part, a section (`# ----`) to the next banner."""
+    banners = list(BANNER.finditer(source))
+    sections = {}
+    for at, banner in enumerate(banners):
+        part = banner.group(1).startswith("=")
+        ends = (b.start() for b in banners[at + 1 :] if not part or b.group(1).startswith("="))
+        if banner.group(2).endswith(" (pure)"):
+            sections[banner.group(2)[: -len(" (pure)")]] = source[banner.end() : next(ends, None)]
+    return sections
 
 
 def impurities(source: str) -> list[str]:
@@ -1736,7 +1740,11 @@ def impurities(source: str) -> list[str]:
 
 def test_pure_sections_do_no_io() -> None:
     source = (HERE / "tactmem.py").read_text(encoding="utf-8")
-    assert set(pure_sections(source)) == {"constants", "errors", "values", "core"}
+    assert set(pure_sections(source)) == {
+        "constants", "errors", "values", "core", "export, import and restore", "the browser",
+        "evaluation", "evaluation: paired runs", "team memory: remote answers",
+        "team memory: push plans",
+    }  # fmt: skip
     assert impurities(source) == []
 
 
@@ -1753,7 +1761,9 @@ CHECK_PUT = (
         ("def tokenize(text: str) -> list[str]:\n", "    import os.path as p\n", "os"),
         ("def preview(content: str", "", ""),  # the anchor alone: no finding
         ("def _plan_read(", "", ""),
-        ("# " + "=" * 76 + " core (pure)\n", "import sqlite3\n", "sqlite3"),
+        ("# " + "=" * 60 + " core (pure)\n", "import sqlite3\n", "sqlite3"),
+        ("def _parse_export(", "", ""),  # a feature's pure part is checked too
+        ("def _plan_push(", "", ""),
         ("def normalized_identity(content: str) -> str:\n", "    open('/tmp/x')\n", "open"),
         ("def normalized_identity(content: str) -> str:\n", "    sys.stdout.write('x')\n", "sys"),
         ("def _expired(", "", ""),
@@ -1785,6 +1795,145 @@ def test_the_purity_check_finds_io_in_a_doctored_copy(
         assert found == []
     else:
         assert found and all(finding.endswith(": " + caught) for finding in found), found
+
+
+# ============================================================================ the book layout
+# Issue 26: `tactmem.py` reads top to bottom — the memory core, `# ==== features` with each
+# feature whole, the command line last. No name is used above the section that defines it.
+
+
+def top_level(tree: ast.Module) -> dict[str, int]:
+    """Each name the module defines at its top level, and the line of its first definition."""
+    names: dict[str, int] = {}
+    statements = list(tree.body)
+    while statements:
+        node = statements.pop(0)
+        if isinstance(node, ast.If | ast.Try):
+            handlers = [line for handler in getattr(node, "handlers", []) for line in handler.body]
+            statements[:0] = [*node.body, *handlers, *node.orelse]
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.setdefault(node.name, node.lineno)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        names.setdefault(name.id, node.lineno)
+    return names
+
+
+def bound_locally(function: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> set[str]:
+    """The names a function binds itself: its parameters and whatever it (or a function in it)
+    assigns, imports or defines. Erring wide only hides a use, never invents one."""
+    names = set()
+    body = function.body if isinstance(function.body, list) else [function.body]
+    for node in itertools.chain([function.args], *(ast.walk(statement) for statement in body)):
+        for inner in ast.walk(node) if isinstance(node, ast.arguments) else [node]:
+            if isinstance(inner, ast.arg):
+                names.add(inner.arg)
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.alias):
+            names.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+    return names
+
+
+def module_names_used(node: ast.AST, bound: frozenset[str] = frozenset()) -> Iterator[ast.Name]:
+    """Every use of a name that is not bound in a function around it."""
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
+        yield node
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        bound |= bound_locally(node)
+    for child in ast.iter_child_nodes(node):
+        yield from module_names_used(child, bound)
+
+
+def uses_above_definition(source: str) -> list[str]:
+    """Each use of a module name in a section above the one that defines it."""
+    banners = [(source.count("\n", 0, b.start()) + 1, b.group(2)) for b in BANNER.finditer(source)]
+    starts = [line for line, _ in banners]
+
+    def section(line: int) -> int:
+        return bisect.bisect_right(starts, line) - 1
+
+    tree = ast.parse(source)
+    defined = top_level(tree)
+    return [
+        f"{banners[section(use.lineno)][1]} uses {use.id}, defined below in"
+        f" {banners[section(defined[use.id])][1]}"
+        for use in module_names_used(tree)
+        if use.id in defined and section(use.lineno) < section(defined[use.id])
+    ]
+
+
+def contents(source: str) -> list[str]:
+    """The banner titles the module docstring's table of contents lists, in order: a part, then
+    after `: ` its sections, joined by ` · ` (a line ending in ` ·` goes on)."""
+    docstring = ast.get_docstring(ast.parse(source)) or ""
+    table = docstring.partition("Contents (the banners below, in order)::\n\n")[2]
+    titles = []
+    for line in re.sub(r" ·\n +", " · ", table.partition("\n\n")[0]).splitlines():
+        part, _, sections = line.strip().partition(": ")
+        titles += [part, *filter(None, sections.split(" · "))]
+    return titles
+
+
+def class_lines(source: str, name: str) -> int:
+    (node,) = (n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == name)
+    return (node.end_lineno or 0) - node.lineno + 1
+
+
+def test_the_module_reads_as_a_book() -> None:
+    source = (HERE / "tactmem.py").read_text(encoding="utf-8")
+    titles = [banner.group(2) for banner in BANNER.finditer(source)]
+    assert contents(source) == titles
+    assert titles[-1] == "command line (I/O)" and titles.count("features") == 1
+    assert uses_above_definition(source) == []
+    core = source.partition("\n# " + "=" * 60 + " features\n")[0]
+    assert core.count("\n") + 1 <= 4100  # the core, everything above the features banner
+    assert class_lines(source, "Store") <= 220  # the store's operations only
+    assert source.count("# fmt: skip") <= 77  # main's count when the layout landed: no packing
+    last = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)][-1]
+    assert last.name == "main"
+    formatted = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--quiet", str(HERE / "tactmem.py")],
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert formatted.returncode == 0, formatted.stdout
+
+
+@pytest.mark.parametrize(
+    ("anchor", "doctored", "caught"),
+    [
+        ("def tokenize(text: str) -> list[str]:\n", "    _ = _Browser\n",
+         ["tokenizing uses _Browser, defined below in the browser (pure)"]),
+        ("def tokenize(text: str) -> list[str]:\n", "    _ = lambda _Browser: _Browser\n", []),
+        ("def _parse_export(", "", []),  # the anchor alone: no finding
+        ("class Store:\n", "    cache = _Statistics\n", []),  # defined above, in the side cache
+        ("class _Statistics:\n", "    store = Store\n",
+         ["the side cache uses Store, defined below in the SQLite store"]),
+        ("def _parse_export(", "_ = _Push\n\n\n",
+         ["export, import and restore (pure) uses _Push, defined below in"
+          " team memory: push plans (pure)"]),
+    ],
+)  # fmt: skip
+def test_the_layout_checks_fail_on_a_doctored_copy(
+    anchor: str, doctored: str, caught: list[str]
+) -> None:
+    """The book's rules can fail: a name used above its section is reported, and so is a
+    table of contents that no longer matches the banners."""
+    source = (HERE / "tactmem.py").read_text(encoding="utf-8")
+    assert source.count(anchor) == 1, anchor
+    where = source.index(anchor) + (len(anchor) if doctored.startswith(" ") else 0)
+    assert uses_above_definition(source[:where] + doctored + source[where:]) == caught
+    banner = "# " + "-" * 60 + " ranking\n"
+    assert source.count(banner) == 1
+    renamed = source.replace(banner, banner.replace("ranking", "ranking and scoring"))
+    assert contents(renamed) != [banner.group(2) for banner in BANNER.finditer(renamed)]
 
 
 # ============================================================================ command line
