@@ -22,6 +22,22 @@ Contents (the banners below, in order)::
       the browser (pure) · the browser (I/O) · evaluation (pure) ·
       evaluation: paired runs (pure) · evaluation (I/O) · team memory: remote answers (pure) ·
       team memory: push plans (pure) · team memory: the remote store (I/O) ·
+      team memory: the team links (I/O) · team memory: push and pull (I/O)
+    command line (I/O)
+
+Contents (the banners below, in order)::
+
+    constants (pure): secret rules
+    errors (pure)
+    values (pure)
+    core (pure): tokenizing · secrets and identity · ranking · checks · store rules ·
+      the storage boundary · the memory tool · presentation
+    shell (I/O): opening and checking the database · the side cache · the SQLite store ·
+      the memory tool over a store · config files · MCP glue
+    features: export, import and restore (pure) · export, import and restore (I/O) ·
+      the browser (pure) · the browser (I/O) · evaluation (pure) ·
+      evaluation: paired runs (pure) · evaluation (I/O) · team memory: remote answers (pure) ·
+      team memory: push plans (pure) · team memory: the remote store (I/O) ·
       team memory: the team links (I/O)
     command line (I/O)
 
@@ -2773,6 +2789,9 @@ def _where(record: Record) -> _Cursor:
 
 
 # ------------------------------------------------------------ opening and checking the database
+# The thin imperative part of the core: SQLite files, the side cache, config files and the
+# MCP glue. Each operation reads, asks the pure core, and writes inside one transaction.
+
 
 _SCHEMA: Final = (
     """CREATE TABLE IF NOT EXISTS memories (
@@ -4334,6 +4353,47 @@ def _read_export(name: str, limits: Limits) -> bytes:
     if found is None:
         raise InvalidExport("export file: not a regular file")
     return found
+
+
+def _export_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
+    """`export [FILE|-]`: the file, or standard output; what it holds on stdout (`--json`:
+    as an object) when it goes to a file, and on stderr what it left out."""
+    with contextlib.suppress(OSError, ValueError):  # no such file: it cannot be the database
+        if arguments.file != "-" and os.path.samefile(arguments.file, store.path):
+            raise InvalidRequest("the export file named is the database itself")
+    backup = export(store)
+    if arguments.file == "-":
+        sys.stdout.flush()
+        if hasattr(sys.stdout, "buffer"):
+            sys.stdout.buffer.write(backup.data)
+        else:  # standard output was replaced by a text stream
+            sys.stdout.write(backup.data.decode())
+    else:
+        _write_private(arguments.file, backup.data)
+        summary = attrs.asdict(backup, filter=lambda field, _: field.name != "data")
+        counts = f"{backup.records} records ({backup.content_bytes} content bytes)"
+        print(_json(summary) if arguments.json else f"exported {counts}")
+    if backup.hidden or backup.expired:
+        print(
+            f"tactmem: warning: left out {backup.hidden} hidden records (secret-shaped or"
+            f" malformed) and {backup.expired} whose probation has ended",
+            file=sys.stderr,
+        )
+
+
+def _import_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
+    """`import FILE|- [--dry-run]`: merge, and say how many records were inserted and skipped."""
+    merged = merge(store, _read_export(arguments.file, store.limits), dry_run=arguments.dry_run)
+    if arguments.json:
+        print(_json({**attrs.asdict(merged), "dry_run": arguments.dry_run}))
+        return
+    done = ("would import", "; nothing was written") if arguments.dry_run else ("imported", "")
+    print(f"{done[0]} {merged.inserted} records, skipped {merged.skipped} already held{done[1]}")
+
+
+def _restore_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
+    restored = restore(store, _read_export(arguments.file, store.limits))
+    print(_json({"restored": restored}) if arguments.json else f"restored {restored} records")
 
 
 # ------------------------------------------------------------ the browser (pure)
@@ -6906,6 +6966,208 @@ def _links_document(found: Any) -> bool:
     )  # fmt: skip
 
 
+# ------------------------------------------------------------ team memory: push and pull (I/O)
+
+
+def _team(config: Config | None) -> RemoteConfig:
+    if config is None or config.remote is None:
+        where = "--db names no config" if config is None else f"add it to {config.path}"
+        raise ConfigError(f"remote memory is not configured ([memory.remote]; {where})")
+    return config.remote
+
+
+def _push_command(store: Store, arguments: argparse.Namespace, config: Config | None) -> int:
+    """`push [--dry-run] [--force]` (README, "The push rule"): plan against what the namespace
+    holds now (`_plan_push`), then sync; planned again (at most 3 passes) when the namespace
+    changed before the sync could land (a tactmem-server refuses it then) or the local store
+    changed meanwhile. Exit 1 when the push is, or a dry run's would be, refused."""
+    remote = _team(config)
+    with RemoteStore.from_config(remote) as team, _TeamLinks(store, remote) as file:
+        if team.session() != "writer" and not arguments.dry_run:
+            raise RemoteDenied("remote memory credential is read-only; push needs a writer")
+        sent = False  # whether a pass's sync landed (then a refusal has changed something)
+        for _ in range(3):
+            now = _now_ms()
+            records = store.list(now_ms=now)
+            links, pending = file.load(records)
+            try:
+                remote_records, dropped, facts = team.namespace_export()
+            except Conflict:
+                continue  # the namespace changed between the export's pages: read it again
+            plan = _plan_push(
+                records, remote_records, links, pending, remote.namespace,
+                next_id=None if facts is None else facts.next_id, force=arguments.force,
+                now_ms=now,
+            )  # fmt: skip
+            hidden = dropped if facts is None else max(0, facts.records - len(remote_records))
+            refused = bool(plan.conflicts) or (hidden > 0 and not arguments.force)
+            if arguments.dry_run:
+                _print_push_plan(plan, hidden, remote.namespace, arguments.json, arguments.force)
+                return 1 if refused else 0
+            if refused:
+                raise Conflict(_push_refusal(plan, hidden, remote.namespace, sent))
+            file.save(links, pending=plan.links)
+            try:
+                report = team.sync(
+                    plan.snapshot, if_changes=None if facts is None else facts.changes
+                )
+            except Conflict:
+                if facts is None:
+                    raise
+                continue  # the namespace changed since the export: plan again
+            sent = True
+            file.save(plan.links)
+            if facts is None:
+                _check_unguarded(plan, report, hidden if arguments.force else 0)
+            if store.list() == records:
+                pushed = len(records) - plan.foreign
+                _print_pushed(plan, pushed, hidden, report, remote.namespace, arguments.json)
+                return 0
+    raise TactmemError(
+        "local memories or the team namespace kept changing while the push was planned and"
+        " sent; retry once writes settle"
+    )
+
+
+def _pair_list(pairs: Sequence[tuple[int, int]], namespace: str) -> str:
+    return ", ".join(f"#{mine} as {namespace}#{team}" for mine, team in pairs) or "none"
+
+
+def _team_list(namespace: str, ids: Iterable[int]) -> str:
+    return ", ".join(f"{namespace}#{team_id}" for team_id in ids) or "none"
+
+
+def _push_notes(plan: _PushPlan, hidden: int, namespace: str, force: bool) -> Iterator[str]:
+    """What a push leaves as it is, or deletes though no record here stands for it."""
+    if plan.unseen:
+        yield (
+            f"  kept      {_team_list(namespace, plan.unseen)}, not seen by this store"
+            " (`tactmem pull` fetches, `push --force` deletes)"
+        )
+    if plan.gone:
+        gone = ", ".join(f"#{local_id}" for local_id in plan.gone)
+        yield (
+            f"  not sent  {gone}, deleted on the server since this store pushed or pulled"
+            " (`push --force` sends again)"
+        )
+    if plan.foreign:
+        yield f"  left out  {plan.foreign} records pulled from other namespaces"
+    if hidden:
+        fate = "deleted by --force" if force else "a push would delete them, so it needs --force"
+        yield (
+            f"  hidden    {hidden} records of `{namespace}` that the server holds and does not"
+            f" show (secret-shaped or malformed): {fate}"
+        )
+
+
+def _plan_json(plan: _PushPlan, hidden: int) -> dict[str, Any]:
+    return {
+        "inserted": plan.inserted, "replaced": plan.replaced, "deleted": plan.deleted,
+        "conflicts": [{"id": team_id, "reason": why} for team_id, why in plan.conflicts],
+        "unseen": plan.unseen, "gone": plan.gone, "foreign": plan.foreign, "hidden": hidden,
+    }  # fmt: skip
+
+
+def _print_push_plan(
+    plan: _PushPlan, hidden: int, namespace: str, as_json: bool, force: bool
+) -> None:
+    size = sum(len(record.content.encode()) for record in plan.snapshot)
+    if as_json:
+        print(_json({"dry_run": True, "namespace": namespace, "records": len(plan.snapshot),
+                     "content_bytes": size, "plan": _plan_json(plan, hidden)}))  # fmt: skip
+        return
+    conflicts = ", ".join(f"{namespace}#{team_id} ({why})" for team_id, why in plan.conflicts)
+    print(
+        f"Would push to namespace `{namespace}`, planned against what the server holds now"
+        " (read just now; nothing was sent):"
+    )
+    print(f"  insert    {_pair_list(plan.inserted, namespace)}")
+    print(f"  replace   {_pair_list(plan.replaced, namespace)}")
+    print(f"  delete    {_team_list(namespace, plan.deleted)}")
+    print(f"  conflict  {conflicts or 'none'}")
+    for line in _push_notes(plan, hidden, namespace, force):
+        print(line)
+    print(f"The namespace would then hold {len(plan.snapshot)} memories ({size} content bytes).")
+
+
+def _push_refusal(plan: _PushPlan, hidden: int, namespace: str, sent: bool) -> str:
+    """One line naming the conflicts (ids and what happened, at most eight) and counts; `sent`:
+    an earlier pass of this push landed (the local store changed while it was sent)."""
+    named = [f"{namespace}#{team_id}: {why}" for team_id, why in plan.conflicts[:8]]
+    more = len(plan.conflicts) - len(named)
+    reasons = "; ".join(named) + (f"; and {more} more" if more > 0 else "")
+    parts = [f"{len(plan.conflicts)} in conflict ({reasons})"] if plan.conflicts else []
+    if hidden:
+        parts.append(
+            f"the server holds {hidden} records of `{namespace}` that it does not show, which"
+            " a push would delete"
+        )
+    done = (
+        "push refused after an earlier pass of it was sent (the local store changed meanwhile);"
+        " nothing more was changed"
+        if sent
+        else "push refused, nothing was changed"
+    )
+    return (
+        f"{done}: {'; '.join(parts)} (`tactmem push --dry-run`"
+        " shows the plan; `tactmem pull` fetches the server's records; `push --force` makes"
+        " the namespace this store's records)"
+    )
+
+
+def _print_pushed(
+    plan: _PushPlan, pushed: int, hidden: int, report: Mapping[str, int], namespace: str,
+    as_json: bool,
+) -> None:  # fmt: skip
+    if as_json:
+        print(_json({"pushed": pushed, "namespace": namespace, **report,
+                     "plan": _plan_json(plan, hidden)}))  # fmt: skip
+        return
+    counts = ", ".join(f"{report[name]} {name}" for name in _SYNC_COUNTS)
+    print(f"Pushed {pushed} memories to namespace `{namespace}`: {counts}.")
+    for line in _push_notes(plan, hidden, namespace, force=True):
+        print(line)
+
+
+def _check_unguarded(plan: _PushPlan, report: Mapping[str, int], hidden: int) -> None:
+    """A server that cannot refuse a sync whose namespace changed since its export (one that
+    sends no `_FACTS`): say when its counts show that something written meanwhile was lost."""
+    if report["inserted"] != len(plan.inserted) or report["deleted"] != len(plan.deleted) + hidden:
+        print(
+            "tactmem: warning: the server's counts differ from the plan: a record written to"
+            " the namespace during the push may have been replaced or deleted (this server"
+            " cannot refuse a sync that races a write; tactmem-server can)",
+            file=sys.stderr,
+        )
+
+
+def _pull_command(store: Store, arguments: argparse.Namespace, config: Config | None) -> None:
+    """`pull --all | --namespace N ...`: merge the server's records into the local store as
+    `import` merges a file (`_plan_merge`: fresh ids, version 1, fresh probation), and link
+    each record it inserts to the team record it came from (`_TeamLinks`)."""
+    if arguments.all == bool(arguments.namespace):
+        raise _UsageError("pull takes --all, or --namespace N (repeatable); exactly one of them")
+    remote = _team(config)
+    with RemoteStore.from_config(remote) as team:
+        records = team.export(None if arguments.all else arguments.namespace)
+    pulled = [(*_where(record), record.key.version, _digest(record.content)) for record in records]
+    with _TeamLinks(store, remote) as file:
+        links, pending = file.load(store.list())
+        now = _now_ms()
+        file.save(links, pending=pending, pulled=(now, pulled))
+        merged = _merge_records(store, list(enumerate(records, 1)), False, now)
+        file.save([*links, *_pull_links(store.list(), pulled, links, now)], pending=pending)
+    if arguments.json:
+        print(_json({"fetched": len(records), **attrs.asdict(merged)}))
+        return
+    names = "`, `".join(dict.fromkeys(arguments.namespace or ()))
+    selected = "all namespaces" if arguments.all else f"namespaces `{names}`"
+    print(
+        f"Pulled {selected}: {len(records)} fetched, {merged.inserted} inserted,"
+        f" {merged.skipped} skipped."
+    )
+
+
 # ============================================================ command line (I/O)
 
 # argparse's messages that repeat what was typed (which could be a secret), reworded to name the
@@ -7168,47 +7430,6 @@ def _stats_command(store: Store, arguments: argparse.Namespace, config: Config |
         print(f"tactmem: warning: group or others may read or write {place}", file=sys.stderr)
 
 
-def _export_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
-    """`export [FILE|-]`: the file, or standard output; what it holds on stdout (`--json`:
-    as an object) when it goes to a file, and on stderr what it left out."""
-    with contextlib.suppress(OSError, ValueError):  # no such file: it cannot be the database
-        if arguments.file != "-" and os.path.samefile(arguments.file, store.path):
-            raise InvalidRequest("the export file named is the database itself")
-    backup = export(store)
-    if arguments.file == "-":
-        sys.stdout.flush()
-        if hasattr(sys.stdout, "buffer"):
-            sys.stdout.buffer.write(backup.data)
-        else:  # standard output was replaced by a text stream
-            sys.stdout.write(backup.data.decode())
-    else:
-        _write_private(arguments.file, backup.data)
-        summary = attrs.asdict(backup, filter=lambda field, _: field.name != "data")
-        counts = f"{backup.records} records ({backup.content_bytes} content bytes)"
-        print(_json(summary) if arguments.json else f"exported {counts}")
-    if backup.hidden or backup.expired:
-        print(
-            f"tactmem: warning: left out {backup.hidden} hidden records (secret-shaped or"
-            f" malformed) and {backup.expired} whose probation has ended",
-            file=sys.stderr,
-        )
-
-
-def _import_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
-    """`import FILE|- [--dry-run]`: merge, and say how many records were inserted and skipped."""
-    merged = merge(store, _read_export(arguments.file, store.limits), dry_run=arguments.dry_run)
-    if arguments.json:
-        print(_json({**attrs.asdict(merged), "dry_run": arguments.dry_run}))
-        return
-    done = ("would import", "; nothing was written") if arguments.dry_run else ("imported", "")
-    print(f"{done[0]} {merged.inserted} records, skipped {merged.skipped} already held{done[1]}")
-
-
-def _restore_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
-    restored = restore(store, _read_export(arguments.file, store.limits))
-    print(_json({"restored": restored}) if arguments.json else f"restored {restored} records")
-
-
 def _browse_command(store: Backend, _: argparse.Namespace, config: Config | None) -> None:
     team = store.namespace if isinstance(store, RemoteStore) else ""  # then read-only
     _browse(store, None if config is None else config.memory_enabled, team)  # a trusted human
@@ -7252,205 +7473,6 @@ def _serve_lines(tool: MemoryTool) -> None:
                 answer = tool.call(line)
         sys.stdout.write(_json(answer) + "\n")
         sys.stdout.flush()
-
-
-def _team(config: Config | None) -> RemoteConfig:
-    if config is None or config.remote is None:
-        where = "--db names no config" if config is None else f"add it to {config.path}"
-        raise ConfigError(f"remote memory is not configured ([memory.remote]; {where})")
-    return config.remote
-
-
-def _push_command(store: Store, arguments: argparse.Namespace, config: Config | None) -> int:
-    """`push [--dry-run] [--force]` (README, "The push rule"): plan against what the namespace
-    holds now (`_plan_push`), then sync; planned again (at most 3 passes) when the namespace
-    changed before the sync could land (a tactmem-server refuses it then) or the local store
-    changed meanwhile. Exit 1 when the push is, or a dry run's would be, refused."""
-    remote = _team(config)
-    with RemoteStore.from_config(remote) as team, _TeamLinks(store, remote) as file:
-        if team.session() != "writer" and not arguments.dry_run:
-            raise RemoteDenied("remote memory credential is read-only; push needs a writer")
-        sent = False  # whether a pass's sync landed (then a refusal has changed something)
-        for _ in range(3):
-            now = _now_ms()
-            records = store.list(now_ms=now)
-            links, pending = file.load(records)
-            try:
-                remote_records, dropped, facts = team.namespace_export()
-            except Conflict:
-                continue  # the namespace changed between the export's pages: read it again
-            plan = _plan_push(
-                records, remote_records, links, pending, remote.namespace,
-                next_id=None if facts is None else facts.next_id, force=arguments.force,
-                now_ms=now,
-            )  # fmt: skip
-            hidden = dropped if facts is None else max(0, facts.records - len(remote_records))
-            refused = bool(plan.conflicts) or (hidden > 0 and not arguments.force)
-            if arguments.dry_run:
-                _print_push_plan(plan, hidden, remote.namespace, arguments.json, arguments.force)
-                return 1 if refused else 0
-            if refused:
-                raise Conflict(_push_refusal(plan, hidden, remote.namespace, sent))
-            file.save(links, pending=plan.links)
-            try:
-                report = team.sync(
-                    plan.snapshot, if_changes=None if facts is None else facts.changes
-                )
-            except Conflict:
-                if facts is None:
-                    raise
-                continue  # the namespace changed since the export: plan again
-            sent = True
-            file.save(plan.links)
-            if facts is None:
-                _check_unguarded(plan, report, hidden if arguments.force else 0)
-            if store.list() == records:
-                pushed = len(records) - plan.foreign
-                _print_pushed(plan, pushed, hidden, report, remote.namespace, arguments.json)
-                return 0
-    raise TactmemError(
-        "local memories or the team namespace kept changing while the push was planned and"
-        " sent; retry once writes settle"
-    )
-
-
-def _pair_list(pairs: Sequence[tuple[int, int]], namespace: str) -> str:
-    return ", ".join(f"#{mine} as {namespace}#{team}" for mine, team in pairs) or "none"
-
-
-def _team_list(namespace: str, ids: Iterable[int]) -> str:
-    return ", ".join(f"{namespace}#{team_id}" for team_id in ids) or "none"
-
-
-def _push_notes(plan: _PushPlan, hidden: int, namespace: str, force: bool) -> Iterator[str]:
-    """What a push leaves as it is, or deletes though no record here stands for it."""
-    if plan.unseen:
-        yield (
-            f"  kept      {_team_list(namespace, plan.unseen)}, not seen by this store"
-            " (`tactmem pull` fetches, `push --force` deletes)"
-        )
-    if plan.gone:
-        gone = ", ".join(f"#{local_id}" for local_id in plan.gone)
-        yield (
-            f"  not sent  {gone}, deleted on the server since this store pushed or pulled"
-            " (`push --force` sends again)"
-        )
-    if plan.foreign:
-        yield f"  left out  {plan.foreign} records pulled from other namespaces"
-    if hidden:
-        fate = "deleted by --force" if force else "a push would delete them, so it needs --force"
-        yield (
-            f"  hidden    {hidden} records of `{namespace}` that the server holds and does not"
-            f" show (secret-shaped or malformed): {fate}"
-        )
-
-
-def _plan_json(plan: _PushPlan, hidden: int) -> dict[str, Any]:
-    return {
-        "inserted": plan.inserted, "replaced": plan.replaced, "deleted": plan.deleted,
-        "conflicts": [{"id": team_id, "reason": why} for team_id, why in plan.conflicts],
-        "unseen": plan.unseen, "gone": plan.gone, "foreign": plan.foreign, "hidden": hidden,
-    }  # fmt: skip
-
-
-def _print_push_plan(
-    plan: _PushPlan, hidden: int, namespace: str, as_json: bool, force: bool
-) -> None:
-    size = sum(len(record.content.encode()) for record in plan.snapshot)
-    if as_json:
-        print(_json({"dry_run": True, "namespace": namespace, "records": len(plan.snapshot),
-                     "content_bytes": size, "plan": _plan_json(plan, hidden)}))  # fmt: skip
-        return
-    conflicts = ", ".join(f"{namespace}#{team_id} ({why})" for team_id, why in plan.conflicts)
-    print(
-        f"Would push to namespace `{namespace}`, planned against what the server holds now"
-        " (read just now; nothing was sent):"
-    )
-    print(f"  insert    {_pair_list(plan.inserted, namespace)}")
-    print(f"  replace   {_pair_list(plan.replaced, namespace)}")
-    print(f"  delete    {_team_list(namespace, plan.deleted)}")
-    print(f"  conflict  {conflicts or 'none'}")
-    for line in _push_notes(plan, hidden, namespace, force):
-        print(line)
-    print(f"The namespace would then hold {len(plan.snapshot)} memories ({size} content bytes).")
-
-
-def _push_refusal(plan: _PushPlan, hidden: int, namespace: str, sent: bool) -> str:
-    """One line naming the conflicts (ids and what happened, at most eight) and counts; `sent`:
-    an earlier pass of this push landed (the local store changed while it was sent)."""
-    named = [f"{namespace}#{team_id}: {why}" for team_id, why in plan.conflicts[:8]]
-    more = len(plan.conflicts) - len(named)
-    reasons = "; ".join(named) + (f"; and {more} more" if more > 0 else "")
-    parts = [f"{len(plan.conflicts)} in conflict ({reasons})"] if plan.conflicts else []
-    if hidden:
-        parts.append(
-            f"the server holds {hidden} records of `{namespace}` that it does not show, which"
-            " a push would delete"
-        )
-    done = (
-        "push refused after an earlier pass of it was sent (the local store changed meanwhile);"
-        " nothing more was changed"
-        if sent
-        else "push refused, nothing was changed"
-    )
-    return (
-        f"{done}: {'; '.join(parts)} (`tactmem push --dry-run`"
-        " shows the plan; `tactmem pull` fetches the server's records; `push --force` makes"
-        " the namespace this store's records)"
-    )
-
-
-def _print_pushed(
-    plan: _PushPlan, pushed: int, hidden: int, report: Mapping[str, int], namespace: str,
-    as_json: bool,
-) -> None:  # fmt: skip
-    if as_json:
-        print(_json({"pushed": pushed, "namespace": namespace, **report,
-                     "plan": _plan_json(plan, hidden)}))  # fmt: skip
-        return
-    counts = ", ".join(f"{report[name]} {name}" for name in _SYNC_COUNTS)
-    print(f"Pushed {pushed} memories to namespace `{namespace}`: {counts}.")
-    for line in _push_notes(plan, hidden, namespace, force=True):
-        print(line)
-
-
-def _check_unguarded(plan: _PushPlan, report: Mapping[str, int], hidden: int) -> None:
-    """A server that cannot refuse a sync whose namespace changed since its export (one that
-    sends no `_FACTS`): say when its counts show that something written meanwhile was lost."""
-    if report["inserted"] != len(plan.inserted) or report["deleted"] != len(plan.deleted) + hidden:
-        print(
-            "tactmem: warning: the server's counts differ from the plan: a record written to"
-            " the namespace during the push may have been replaced or deleted (this server"
-            " cannot refuse a sync that races a write; tactmem-server can)",
-            file=sys.stderr,
-        )
-
-
-def _pull_command(store: Store, arguments: argparse.Namespace, config: Config | None) -> None:
-    """`pull --all | --namespace N ...`: merge the server's records into the local store as
-    `import` merges a file (`_plan_merge`: fresh ids, version 1, fresh probation), and link
-    each record it inserts to the team record it came from (`_TeamLinks`)."""
-    if arguments.all == bool(arguments.namespace):
-        raise _UsageError("pull takes --all, or --namespace N (repeatable); exactly one of them")
-    remote = _team(config)
-    with RemoteStore.from_config(remote) as team:
-        records = team.export(None if arguments.all else arguments.namespace)
-    pulled = [(*_where(record), record.key.version, _digest(record.content)) for record in records]
-    with _TeamLinks(store, remote) as file:
-        links, pending = file.load(store.list())
-        now = _now_ms()
-        file.save(links, pending=pending, pulled=(now, pulled))
-        merged = _merge_records(store, list(enumerate(records, 1)), False, now)
-        file.save([*links, *_pull_links(store.list(), pulled, links, now)], pending=pending)
-    if arguments.json:
-        print(_json({"fetched": len(records), **attrs.asdict(merged)}))
-        return
-    names = "`, `".join(dict.fromkeys(arguments.namespace or ()))
-    selected = "all namespaces" if arguments.all else f"namespaces `{names}`"
-    print(
-        f"Pulled {selected}: {len(records)} fetched, {merged.inserted} inserted,"
-        f" {merged.skipped} skipped."
-    )
 
 
 # The commands that use team memory instead of the local store inside a workspace root.
