@@ -4726,7 +4726,10 @@ class Terminal:
         self.master, self.slave = pty.openpty()  # the slave stays open: see `unread_input`
         self.resize(columns, rows, signal_child=False)
         # TERM=linux: pyte misses some xterm sequences that curses uses to redraw (tmux does not)
-        env = {**os.environ, "TERM": "linux", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+        # No LINES or COLUMNS (pytest-xdist's workers set them): curses would take their size
+        # over the terminal's, and a resize to them would draw nothing.
+        env = {k: v for k, v in os.environ.items() if k not in ("LINES", "COLUMNS")}
+        env |= {"TERM": "linux", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tactmem", *argv], stdin=self.slave, stdout=self.slave,
             stderr=self.slave, cwd=cwd, env=env, start_new_session=True,
