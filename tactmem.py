@@ -22,23 +22,7 @@ Contents (the banners below, in order)::
       the browser (pure) · the browser (I/O) · evaluation (pure) ·
       evaluation: paired runs (pure) · evaluation (I/O) · team memory: remote answers (pure) ·
       team memory: push plans (pure) · team memory: the remote store (I/O) ·
-      team memory: the team links (I/O) · team memory: push and pull (I/O)
-    command line (I/O)
-
-Contents (the banners below, in order)::
-
-    constants (pure): secret rules
-    errors (pure)
-    values (pure)
-    core (pure): tokenizing · secrets and identity · ranking · checks · store rules ·
-      the storage boundary · the memory tool · presentation
-    shell (I/O): opening and checking the database · the side cache · the SQLite store ·
-      the memory tool over a store · config files · MCP glue
-    features: export, import and restore (pure) · export, import and restore (I/O) ·
-      the browser (pure) · the browser (I/O) · evaluation (pure) ·
-      evaluation: paired runs (pure) · evaluation (I/O) · team memory: remote answers (pure) ·
-      team memory: push plans (pure) · team memory: the remote store (I/O) ·
-      team memory: the team links (I/O)
+      team memory: the team links (I/O) · team memory: push and pull (I/O) · the backend seam
     command line (I/O)
 
 Command line (``tactmem COMMAND --help`` for each)::
@@ -95,7 +79,7 @@ __all__ = [  # sorted; each is documented in the README
     "RemoteDenied", "RemoteError", "RemoteInvalid", "RemoteKey", "RemoteStore",
     "RemoteUnavailable", "ReviewCheckpoint", "ScanRequired", "ScanResult", "SecretRejected",
     "StorageError", "Store", "StoreBusy", "StoreNotEmpty", "TactmemError", "TeamBackend",
-    "UnsupportedSchema", "export", "find_secret", "load_config", "main", "memory_db_path",
+    "UnsupportedSchema", "core", "export", "find_secret", "load_config", "main", "memory_db_path",
     "merge", "normalized_identity", "preview", "rank", "resolve_config_path", "restore",
     "tokenize", "tool_definition", "with_memory_instructions",
 ]  # fmt: skip
@@ -7166,6 +7150,54 @@ def _pull_command(store: Store, arguments: argparse.Namespace, config: Config | 
         f"Pulled {selected}: {len(records)} fetched, {merged.inserted} inserted,"
         f" {merged.skipped} skipped."
     )
+
+
+# ------------------------------------------------------------ the backend seam
+
+
+class core:
+    """The public seam a second backend builds on (the team server, `tactmem-server`): the
+    store rules and their values, the corpus, the team tool's checks of requests and answers,
+    the MCP glue, and what a SQLite backend shares with `Store`. Code outside this file uses
+    these names (README, "Architecture"), never a private one; they change only with notice."""
+
+    # The store rules (the core's "store rules" section) and the values they take and give.
+    Put: typing.TypeAlias = _Put
+    PutState: typing.TypeAlias = _PutState
+    PutPlan: typing.TypeAlias = _PutPlan
+    check_put = staticmethod(_check_put)
+    plan_put = staticmethod(_plan_put)
+    check_version = staticmethod(_check_version)
+    plan_read = staticmethod(_plan_read)
+    read_ids = staticmethod(_read_ids)
+    expired = staticmethod(_expired)
+    shown = staticmethod(_shown)
+    now_ms = staticmethod(_now_ms)
+    BLANK: Final = _WS_RUN  # a text of white space only `fullmatch`es it: no content
+    # Ranking: the token statistics of a set of texts, and a scan's plan over them.
+    Corpus: typing.TypeAlias = _Corpus
+    query_terms = staticmethod(_query_terms)
+    scan_terms = staticmethod(_scan_terms)
+    plan_scan = staticmethod(_plan_scan)
+    # Team memory: the team tool's scan and read requests, and the checks of a server's answers.
+    team_scan = staticmethod(_team_scan)
+    team_keys = staticmethod(_team_keys)
+    remote_cards = staticmethod(_remote_cards)
+    remote_records = staticmethod(_remote_records)
+    remote_put = staticmethod(_remote_put)
+    # MCP: the `memory` tool served over streamable HTTP, one surface per caller.
+    McpSurface: typing.TypeAlias = _McpSurface
+    mcp_server = staticmethod(_mcp_server)
+    # SQLite: a backend on its own SQLite file opens and locks it as `Store` does.
+    prepare_file = staticmethod(_prepare_file)
+    open_sqlite = staticmethod(_open)
+    begin_immediate = staticmethod(_begin_immediate)
+    storage_error = staticmethod(_storage_error)
+
+    @staticmethod
+    def store_corpus(store: Store) -> _Corpus:
+        """The token statistics of `store`, as its last scan left them (for `bench/`)."""
+        return store._statistics.corpus
 
 
 # ============================================================ command line (I/O)

@@ -1891,6 +1891,7 @@ def test_the_module_reads_as_a_book() -> None:
     source = (HERE / "tactmem.py").read_text(encoding="utf-8")
     titles = [banner.group(2) for banner in BANNER.finditer(source)]
     assert contents(source) == titles
+    assert source.count("Contents (the banners below, in order)::") == 1
     assert titles[-1] == "command line (I/O)" and titles.count("features") == 1
     assert uses_above_definition(source) == []
     core = source.partition("\n# " + "=" * 60 + " features\n")[0]
@@ -3099,6 +3100,56 @@ def test_public_api_surface() -> None:
         if isinstance(value, type) and issubclass(value, TactmemError) and not name.startswith("_"):
             assert name in tactmem.__all__
             assert value.code == "error" or value is TactmemError or value.code.islower()
+
+
+def test_the_backend_seam_is_documented_member_by_member() -> None:
+    """Each member of `tactmem.core` has its line in README → Architecture, and no line names
+    anything else."""
+    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    documented = re.findall(r"^- `core\.(\w+)` — ", readme, re.MULTILINE)
+    members = [name for name in vars(tactmem.core) if not name.startswith("_")]
+    assert sorted(documented) == sorted(members) and len(set(documented)) == len(documented)
+
+
+def private_uses(source: str) -> list[str]:
+    """Each place a source reaches a private name of tactmem: `tactmem._x`, `from tactmem
+    import _x`, and `getattr(tactmem, "_x")`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            names = [node.attr] if node.value.id == "tactmem" else []
+        elif isinstance(node, ast.ImportFrom) and node.module == "tactmem":
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            arguments = node.args
+            if node.func.id in ("getattr", "hasattr", "setattr") and len(arguments) >= 2:
+                target, name = arguments[0], arguments[1]
+                if isinstance(target, ast.Name) and target.id == "tactmem":
+                    text = name.value if isinstance(name, ast.Constant) else None
+                    names = [text if isinstance(text, str) else "(computed)"]
+        found += [
+            f"line {node.lineno}: {name}"  # type: ignore[attr-defined]
+            for name in names
+            if name.startswith("_") or name == "(computed)"
+        ]
+    return [f for f in found if not f.endswith((": __version__", ": __all__", ": __file__"))]
+
+
+def test_the_server_and_the_bench_use_public_names_only() -> None:
+    sources = sorted([*(HERE / "server").glob("*.py"), *(HERE / "bench").glob("*.py")])
+    assert len(sources) >= 6
+    for path in sources:
+        assert private_uses(path.read_text(encoding="utf-8")) == [], path.name
+    doctored = {
+        "state = tactmem._PutState(1, 2)\n": ["line 1: _PutState"],
+        "from tactmem import _plan_put, Store\n": ["line 1: _plan_put"],
+        "plan = getattr(tactmem, '_plan_scan')\n": ["line 1: _plan_scan"],
+        "plan = getattr(tactmem, name)\n": ["line 1: (computed)"],
+        "plan = tactmem.core.plan_scan\nversion = tactmem.__version__\n": [],
+    }
+    for source, found in doctored.items():
+        assert private_uses(source) == found, source
 
 
 def test_error_codes_are_stable() -> None:

@@ -314,9 +314,10 @@ def check_rankings(
         expected = reference.top(query)
         want = [doc_id for doc_id, _ in expected]
         scanned = store.scan(query)  # syncs the cache first
+        ranked = tactmem.core.store_corpus(store).rank(tactmem.core.query_terms(query), TOP)
         got = {
             "Store.scan": [c.key.id for c in scanned.candidates],
-            "_Corpus.rank": [i for i, _ in store._corpus.rank(tactmem._query_terms(query), TOP)],
+            "_Corpus.rank": [i for i, _ in ranked],
         }
         if index % 8 == 0:  # the naive contender's path; it re-tokenizes everything, so sampled
             got["tactmem.rank"] = [i for i, _ in tactmem.rank(query, docs, limit=TOP)]
@@ -376,7 +377,7 @@ class Bm25s:
     def top(self, query: str) -> list[tuple[int, float]]:
         """`get_scores`, then the best five by argpartition, ties by id as tactmem breaks them."""
         numpy = self.numpy
-        scores = self.model.get_scores(tactmem._query_terms(query))
+        scores = self.model.get_scores(tactmem.core.query_terms(query))
         size = min(TOP, len(scores))
         best = numpy.argpartition(scores, len(scores) - size)[len(scores) - size :]
         # The five, every tie of the fifth too, without the documents sharing no term.
@@ -387,7 +388,7 @@ class Bm25s:
     def retrieve(self, query: str) -> list[tuple[int, float]]:
         """`retrieve`: bm25s's own top-k selection, which breaks ties its own way."""
         found, scores = self.model.retrieve(
-            [tactmem._query_terms(query)], k=TOP, show_progress=False
+            [tactmem.core.query_terms(query)], k=TOP, show_progress=False
         )
         pairs = zip(found[0].tolist(), scores[0].tolist(), strict=True)
         return [(self.ids[i], float(score)) for i, score in pairs if score > 0.0]
@@ -791,30 +792,36 @@ def run(
         timed(samples, "tactmem Store.scan, warm", lambda: store.scan(query))
 
     def ranking(query: str) -> None:
-        corpus = store._corpus
+        corpus = tactmem.core.store_corpus(store)
         timed(
             samples,
             "tactmem ranking only (cached)",
-            lambda: corpus.rank(tactmem._query_terms(query), TOP),
+            lambda: corpus.rank(tactmem.core.query_terms(query), TOP),
         )
 
     def coverage(query: str) -> None:
         """What the coverage signal adds: the same ranking, then each card's coverage."""
-        corpus = store._corpus
+        corpus = tactmem.core.store_corpus(store)
 
         def covered() -> list[float]:
-            terms = tactmem._query_terms(query)
+            terms = tactmem.core.query_terms(query)
             ranked = corpus.rank(terms, TOP)
             return list(map(corpus.coverage(terms), (doc_id for doc_id, _ in ranked)))
 
         timed(samples, "tactmem ranking + each card's coverage (cached)", covered)
 
     def opt_in(query: str) -> None:
-        corpus, limits, floor = store._corpus, store.limits, tactmem.RECOMMENDED_MIN_COVERAGE
+        corpus, limits, floor = (
+            tactmem.core.store_corpus(store),
+            store.limits,
+            tactmem.RECOMMENDED_MIN_COVERAGE,
+        )
         timed(
             samples,
             "tactmem scan plan at RECOMMENDED_MIN_COVERAGE (cached)",
-            lambda: tactmem._plan_scan(corpus, tactmem._query_terms(query), TOP, limits, floor),
+            lambda: tactmem.core.plan_scan(
+                corpus, tactmem.core.query_terms(query), TOP, limits, floor
+            ),
         )
 
     def fts_only(query: str) -> None:
@@ -962,7 +969,10 @@ def overlap(store: tactmem.Store, fts: sqlite3.Connection, queries: Sequence[str
     """Mean share of FTS5's top five that tactmem's top five also holds (informational)."""
     shares = []
     for query in queries:
-        ours = {i for i, _ in store._corpus.rank(tactmem._query_terms(query), TOP)}
+        ours = {
+            i
+            for i, _ in tactmem.core.store_corpus(store).rank(tactmem.core.query_terms(query), TOP)
+        }
         theirs = {card[0] for card in fts_scan(fts, query)}
         if ours or theirs:
             shares.append(len(ours & theirs) / max(len(ours), len(theirs)))

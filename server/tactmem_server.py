@@ -395,7 +395,7 @@ def check_scan(payload: Mapping[str, Any]) -> tuple[list[str], int]:
         raise tactmem.InvalidRequest(
             f"memory scan limit must be between 1 and {LIMITS.scan_results}"
         )
-    return tactmem._scan_terms(query, LIMITS), limit
+    return tactmem.core.scan_terms(query, LIMITS), limit
 
 
 def check_read(payload: Mapping[str, Any], namespace: str) -> list[WireKey]:
@@ -421,13 +421,13 @@ def _check_own(key: WireKey, namespace: str) -> Key:
     return Key(key.id, key.version)
 
 
-def check_put(payload: Mapping[str, Any], namespace: str, now_ms: int) -> tactmem._Put:
+def check_put(payload: Mapping[str, Any], namespace: str, now_ms: int) -> tactmem.core.Put:
     """The original router's order: empty (400), too large (413), a replacement that is not
     the caller's (403), then the store's refusals: a secret or a NUL character (400)."""
     content, replacement = payload["content"], payload["replacement"]
     key = None if replacement is None else Key(replacement.id, replacement.version)
     try:
-        put, refused = tactmem._check_put(content, key, LIMITS, now_ms), None
+        put, refused = tactmem.core.check_put(content, key, LIMITS, now_ms), None
     except (tactmem.SecretRejected, tactmem.InvalidRequest) as error:  # a secret, or a NUL
         put, refused = None, error
     if replacement is not None:
@@ -459,7 +459,7 @@ def check_sync(payload: Mapping[str, Any], now_ms: int) -> list[tuple[Record, st
     for _, record in snapshot:
         if max(record.key.version, record.scan_count, record.use_count) > _MAX_I64:
             raise tactmem.Conflict()
-        identity = tactmem._check_put(record.content, None, LIMITS, now_ms).identity
+        identity = tactmem.core.check_put(record.content, None, LIMITS, now_ms).identity
         if identity in identities:
             raise tactmem.Duplicate()
         identities.add(identity)
@@ -486,7 +486,7 @@ def _admitted(key: WireKey, record: Record) -> bool:
         and _valid_key(key)
         and key.id < _MAX_I64  # the allocator must hold the id after it (see `plan_put`)
         and content != ""
-        and tactmem._WS_RUN.fullmatch(content) is None
+        and tactmem.core.BLANK.fullmatch(content) is None
         and len(content.encode("utf-8")) <= LIMITS.content_bytes
         and 0 <= record.created_at_ms <= record.updated_at_ms
     )
@@ -509,7 +509,7 @@ def check_export(
     return namespaces, cursor, limit
 
 
-def plan_put(put: tactmem._Put, state: tactmem._PutState) -> tactmem._PutPlan:
+def plan_put(put: tactmem.core.Put, state: tactmem.core.PutState) -> tactmem.core.PutPlan:
     """The core's put plan, in the protocol's order of refusals: a replace whose content
     another row holds is `duplicate` before `not_found` or `conflict` (the original classifies
     a failed write as duplicate, not found, conflict, capacity); an insert's order is the core's.
@@ -518,7 +518,7 @@ def plan_put(put: tactmem._Put, state: tactmem._PutState) -> tactmem._PutPlan:
     original's allocator refuses the same id with its storage capacity error)."""
     if put.replace is not None and state.duplicate_of not in (None, put.replace.id):
         raise tactmem.Duplicate()
-    plan = tactmem._plan_put(put, state, LIMITS)
+    plan = tactmem.core.plan_put(put, state, LIMITS)
     if plan.insert and plan.record.key.id >= _MAX_I64:
         raise tactmem.DatabaseCapacity()
     return plan
@@ -644,6 +644,18 @@ def _not_ours(where: str, kind: str) -> tactmem.StorageError:
     )
 
 
+_SQL_SPACE: Final = re.compile("[ \t\n\f\r]+")  # SQLite's white space; it reads others as words
+
+
+def _schema_objects(connection: sqlite3.Connection) -> set[tuple[object, object, object]]:
+    """Every schema object as `(type, name, SQL with each run of white space one space)`."""
+    rows = connection.execute("SELECT type, name, sql FROM sqlite_schema")
+    return {
+        (kind, name, _SQL_SPACE.sub(" ", sql).strip(" ") if isinstance(sql, str) else sql)
+        for kind, name, sql in rows
+    }
+
+
 @functools.cache
 def _sqlite_objects() -> frozenset[tuple[object, object, object]]:
     """The schema objects tactmem-server creates in a SQLite file, as SQLite records them
@@ -652,7 +664,7 @@ def _sqlite_objects() -> frozenset[tuple[object, object, object]]:
     try:
         for statement in (*(sql.format(**_SQLITE_TYPES) for sql in _SCHEMA), "ANALYZE"):
             connection.execute(statement)
-        return frozenset(tactmem._schema_objects(connection))
+        return frozenset(_schema_objects(connection))
     finally:
         connection.close()
 
@@ -669,7 +681,7 @@ _SQLITE_PRAGMAS: Final = (
 def _check_sqlite(connection: sqlite3.Connection) -> None:
     """Refuse a SQLite file holding anything tactmem-server does not create (each object's
     whole SQL compared), or another user_version or text encoding."""
-    for kind, _, _ in tactmem._schema_objects(connection) - _sqlite_objects():
+    for kind, _, _ in _schema_objects(connection) - _sqlite_objects():
         raise _not_ours("file", str(kind))
     for pragma, expected, what in _SQLITE_PRAGMAS:
         if connection.execute(f"PRAGMA {pragma}").fetchone() != (expected,):
@@ -688,7 +700,9 @@ def _inspect_sqlite(path: str) -> None:
             settled = file.read(20)[18:] == b"\x02\x02" and not os.path.exists(path + "-wal")
     except OSError:
         raise tactmem.StorageError("could not open the memory database file") from None
-    connection = tactmem._open(f"file:{name}?mode=ro{'&immutable=1' * settled}", LIMITS, uri=True)
+    connection = tactmem.core.open_sqlite(
+        f"file:{name}?mode=ro{'&immutable=1' * settled}", LIMITS, uri=True
+    )
     try:
         _check_sqlite(connection)
     except sqlite3.OperationalError as error:
@@ -829,7 +843,7 @@ def _served(namespace: str, record: Record) -> bool:
     other rows are hidden."""
     return (
         _valid_namespace(namespace)
-        and tactmem._shown(record)
+        and tactmem.core.shown(record)
         and len(record.content.encode("utf-8")) <= LIMITS.content_bytes
         and 0 <= record.created_at_ms <= record.updated_at_ms
     )
@@ -881,14 +895,14 @@ class SqliteEngine:
         self.path = os.path.abspath(os.path.expanduser(path))
         self._lock = threading.Lock()
         self._schema_cookie = -1  # the file's `schema_version` when it was last checked
-        tactmem._prepare_file(self.path)  # 0600 in 0700 directories
+        tactmem.core.prepare_file(self.path)  # 0600 in 0700 directories
         try:
             _inspect_sqlite(self.path)  # read-only: a refused file is never written
-            connection = tactmem._open(
+            connection = tactmem.core.open_sqlite(
                 self.path, tactmem.Limits(), isolation_level=None, check_same_thread=False
             )
         except sqlite3.Error as error:  # such as a file that is not SQLite at all
-            raise tactmem._storage_error(error) from None
+            raise tactmem.core.storage_error(error) from None
         self._connection = connection
         try:
             _check_sqlite(connection)  # again, on the connection that writes: before it does
@@ -902,7 +916,7 @@ class SqliteEngine:
         except BaseException as error:
             connection.close()
             if isinstance(error, sqlite3.Error):
-                raise tactmem._storage_error(error) from None
+                raise tactmem.core.storage_error(error) from None
             raise
 
     def _check_file(self, connection: sqlite3.Connection) -> None:
@@ -920,7 +934,7 @@ class SqliteEngine:
             raise tactmem.StoreBusy()
         try:
             connection = self._connection
-            tactmem._begin_immediate(connection, deadline)
+            tactmem.core.begin_immediate(connection, deadline)
             try:
                 self._check_file(connection)
                 tx = _SqliteTx(connection)
@@ -933,7 +947,7 @@ class SqliteEngine:
             if tx.erased:  # waits (the busy timeout) for another process's transaction to end
                 connection.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         except sqlite3.Error as error:
-            raise tactmem._storage_error(error) from None
+            raise tactmem.core.storage_error(error) from None
         finally:
             self._lock.release()
 
@@ -1062,7 +1076,7 @@ class TeamStore:
 
     def __init__(self, engine: _Engine) -> None:
         self.engine = engine
-        self._corpus = tactmem._Corpus()
+        self._corpus = tactmem.core.Corpus()
         self._corpus_lock = threading.Lock()
         self._seen: dict[str, int] = {}  # namespace -> change counter the cache holds
         self._rows: dict[str, list[tuple[int, int, object]]] = {}
@@ -1120,7 +1134,7 @@ class TeamStore:
         found = {
             ns
             for ns, _, uses, until in tx.rows(due, [now_ms])
-            if tactmem._expired(uses, until, now_ms)
+            if tactmem.core.expired(uses, until, now_ms)
         }
         locked = self._lock(tx, found | ({own} if own else set()))
         if (
@@ -1131,7 +1145,7 @@ class TeamStore:
                 [now_ms, *found],
             )
             expired = [
-                (ns, i) for ns, i, uses, until in rows if tactmem._expired(uses, until, now_ms)
+                (ns, i) for ns, i, uses, until in rows if tactmem.core.expired(uses, until, now_ms)
             ]
             tx.many("DELETE FROM memories WHERE namespace = ? AND id = ?", expired)
             self._changed(tx, {ns for ns, _ in expired})
@@ -1156,7 +1170,7 @@ class TeamStore:
             self._prune(tx, now_ms)
             with self._corpus_lock:
                 self._refresh(tx)
-                plan = tactmem._plan_scan(self._corpus, terms, limit, LIMITS)
+                plan = tactmem.core.plan_scan(self._corpus, terms, limit, LIMITS)
             cards = [(_doc_key(card.key.id), card) for card in plan.result.candidates]
             tx.many(
                 "UPDATE memories SET last_scanned_at_ms = ?,"
@@ -1233,7 +1247,7 @@ class TeamStore:
                     for _, r in map(_namespaced, rows)
                     if versions[r.key.id] in (0, r.key.version) and _served(ns, r)
                 ]
-                for record in tactmem._plan_read(list(versions), current, now_ms):
+                for record in tactmem.core.plan_read(list(versions), current, now_ms):
                     found[ns, record.key.id] = record
             records = [
                 (str(key.namespace), found[str(key.namespace), key.id])
@@ -1264,7 +1278,7 @@ class TeamStore:
         result: list[dict[str, Any]] = self._run(deadline, operation)
         return result
 
-    def put(self, namespace: str, put: tactmem._Put, deadline: float) -> dict[str, Any]:
+    def put(self, namespace: str, put: tactmem.core.Put, deadline: float) -> dict[str, Any]:
         def operation(tx: _Tx) -> dict[str, Any]:
             next_id = self._prune(tx, put.now_ms, namespace)[namespace]
             rows, size, top = tx.rows(
@@ -1281,9 +1295,11 @@ class TeamStore:
                 " WHERE namespace = ? AND id = ?",
                 [namespace, put.replace.id],
             )
-            state = tactmem._PutState(
-                int(rows), int(size), max(next_id, int(top) + 1), same[0][0] if same else None,
-                *(target[0] if target else (None, 0, 0)),
+            old_version, old_bytes, old_created = target[0] if target else (None, 0, 0)
+            state = tactmem.core.PutState(
+                rows=int(rows), content_bytes=int(size), next_id=max(next_id, int(top) + 1),
+                duplicate_of=same[0][0] if same else None, target_version=old_version,
+                target_bytes=old_bytes, target_created_at_ms=old_created,
             )  # fmt: skip
             plan = plan_put(put, state)
             new = plan.record
@@ -1322,7 +1338,7 @@ class TeamStore:
                 "SELECT version FROM memories WHERE namespace = ? AND id = ?", [namespace, key.id]
             )
             if rows:
-                tactmem._check_version(key, rows[0][0])
+                tactmem.core.check_version(key, rows[0][0])
                 tx.run("DELETE FROM memories WHERE namespace = ? AND id = ?", [namespace, key.id])
                 self._changed(tx, [namespace])
 
@@ -1478,19 +1494,19 @@ class NamespaceStore:
         self, query: str, *, limit: int = LIMITS.scan_results, min_coverage: float = 0.0,
         now_ms: int | None = None,
     ) -> tactmem.ScanResult:  # fmt: skip
-        room = tactmem._team_scan(query, limit, min_coverage, LIMITS)
+        room = tactmem.core.team_scan(query, limit, min_coverage, LIMITS)
         if isinstance(room, tactmem.ScanResult):
             return room
         terms, room = check_scan({"query": query, "limit": room})
-        cards = self.store.scan(terms, room, tactmem._now_ms(now_ms), self._deadline())
-        found = tactmem._remote_cards({"candidates": cards}, room)
+        cards = self.store.scan(terms, room, tactmem.core.now_ms(now_ms), self._deadline())
+        found = tactmem.core.remote_cards({"candidates": cards}, room)
         return tactmem.ScanResult(not found, found, None if found else "no_overlap")
 
     def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
-        return self._read("ids", tactmem._read_ids(ids, LIMITS), now_ms)
+        return self._read("ids", tactmem.core.read_ids(ids, LIMITS), now_ms)
 
     def read_keys(self, keys: Iterable[tactmem.RemoteKey]) -> tuple[Record, ...]:
-        named = tactmem._team_keys(keys, LIMITS)
+        named = tactmem.core.team_keys(keys, LIMITS)
         return self._read("keys", [WireKey(k.namespace, k.id, k.version) for k in named], None)
 
     def _read(self, field: str, names: Sequence[object], now_ms: int | None) -> tuple[Record, ...]:
@@ -1500,18 +1516,18 @@ class NamespaceStore:
         for start in range(0, len(names), LIMITS.records):
             chunk = names[start : start + LIMITS.records]
             wanted = check_read({"ids": [], "keys": [], field: chunk}, self.principal.namespace)
-            memories = self.store.read(wanted, tactmem._now_ms(now_ms), self._deadline())
-            records += tactmem._remote_records({"memories": memories}, len(wanted))
+            memories = self.store.read(wanted, tactmem.core.now_ms(now_ms), self._deadline())
+            records += tactmem.core.remote_records({"memories": memories}, len(wanted))
         return tuple(records)
 
     def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
         namespace = self._writer()
         wire = None if replace is None else self._wire(replace)
         put = check_put(
-            {"content": content, "replacement": wire}, namespace, tactmem._now_ms(now_ms)
+            {"content": content, "replacement": wire}, namespace, tactmem.core.now_ms(now_ms)
         )
         memory = self.store.put(namespace, put, self._deadline())
-        return tactmem._remote_put({"memory": memory}, put, namespace)
+        return tactmem.core.remote_put({"memory": memory}, put, namespace)
 
     def delete(self, key: Key, *, now_ms: int | None = None) -> None:
         del now_ms  # a delete never prunes
@@ -1521,8 +1537,8 @@ class NamespaceStore:
         )
 
     def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]:
-        memories = self.store.list(tactmem._now_ms(now_ms), self._deadline())
-        return tuple(tactmem._remote_records({"memories": memories}, LIMITS.records))
+        memories = self.store.list(tactmem.core.now_ms(now_ms), self._deadline())
+        return tuple(tactmem.core.remote_records({"memories": memories}, LIMITS.records))
 
     def _wire(self, key: Key) -> WireKey:
         """A key as a change names it: a `RemoteKey` keeps its namespace, a plain key is the
@@ -1609,7 +1625,7 @@ class _Reply(NamedTuple):
 
 
 def _now() -> int:
-    return tactmem._now_ms()
+    return tactmem.core.now_ms()
 
 
 class _Call(NamedTuple):
@@ -1878,7 +1894,7 @@ class _McpEndpoint:
             from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
             return StreamableHTTPSessionManager(
-                tactmem._mcp_server(self._surface, limiter=self.limiter), json_response=True,
+                tactmem.core.mcp_server(self._surface, limiter=self.limiter), json_response=True,
                 session_idle_timeout=MCP_SESSION_IDLE_S, max_request_body_size=MAX_BODY_BYTES,
                 max_sessions=2 * MCP_MAX_SESSIONS,  # a backstop: `self.book` makes room first
             )  # fmt: skip
@@ -1931,7 +1947,7 @@ class _McpEndpoint:
                 elapsed_ms=round((time.monotonic() - started) * 1000, 3),
             )  # fmt: skip
 
-    def _surface(self, context: Any) -> tactmem._McpSurface:
+    def _surface(self, context: Any) -> tactmem.core.McpSurface:
         """What one MCP request is served: its role's tool definition and its session's tool."""
         request: Request = context.request
         digest, principal = request.scope[_MCP_CALLER]

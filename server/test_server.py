@@ -1420,7 +1420,9 @@ def test_a_tactmem_store_file_is_not_a_team_database(
 def _server_file(path: pathlib.Path) -> None:
     """A SQLite file as tactmem-server leaves it: its tables and one record."""
     store = tactmem_server.TeamStore(tactmem_server.SqliteEngine(str(path)))
-    put = tactmem._check_put("a record the server wrote", None, tactmem.Limits(), tactmem._now_ms())
+    put = tactmem.core.check_put(
+        "a record the server wrote", None, tactmem.Limits(), tactmem.core.now_ms()
+    )
     store.put("alice", put, time.monotonic() + 30)
     store.close()
 
@@ -1825,12 +1827,12 @@ def test_token_statistics_are_refreshed_only_for_changed_namespaces(
 ) -> None:
     engine = CountingEngine(str(tmp_path / "team.sqlite3"))
     store = tactmem_server.TeamStore(engine)
-    far, now, limits = time.monotonic() + 30, tactmem._now_ms(), tactmem.Limits()
+    far, now, limits = time.monotonic() + 30, tactmem.core.now_ms(), tactmem.Limits()
     for namespace in ("alice", "bob", "carol"):
         for n in range(3):
             store.put(
                 namespace,
-                tactmem._check_put(f"{namespace} deploy note {n}", None, limits, now),
+                tactmem.core.check_put(f"{namespace} deploy note {n}", None, limits, now),
                 far,
             )
 
@@ -1843,13 +1845,13 @@ def test_token_statistics_are_refreshed_only_for_changed_namespaces(
         engine.statements.clear()
         return [params[0] for params in found]
 
-    terms = tactmem._query_terms("deploy note")
+    terms = tactmem.core.query_terms("deploy note")
     engine.statements.clear()
     first = store.scan(terms, 5, now, far)
     assert fetched() == ["alice", "bob", "carol"] and len(first) == 5
     assert store.scan(terms, 5, now, far) == first
     assert fetched() == []  # nothing changed: nothing fetched again
-    store.put("bob", tactmem._check_put("bob deploy note again", None, limits, now), far)
+    store.put("bob", tactmem.core.check_put("bob deploy note again", None, limits, now), far)
     engine.statements.clear()
     store.scan(terms, 5, now, far)
     assert fetched() == ["bob"]
@@ -2643,7 +2645,7 @@ def push_a_week_later(member: Member, monkeypatch: pytest.MonkeyPatch) -> str:
     """The member's `tactmem push` a little over a probation from now: in this process, with
     the command line's clock moved on (its store then drops what expired there unread, as it
     would by then); what it printed."""
-    clock, later = tactmem._now_ms, tactmem._now_ms() + WEEK_MS + 60_000
+    clock, later = tactmem.core.now_ms, tactmem.core.now_ms() + WEEK_MS + 60_000
     monkeypatch.setattr(tactmem, "_now_ms", lambda now_ms=None: clock(now_ms or later))
     monkeypatch.chdir(member.base / "home")
     printed = io.StringIO()
