@@ -7193,6 +7193,7 @@ class core:
     open_sqlite = staticmethod(_open)
     begin_immediate = staticmethod(_begin_immediate)
     storage_error = staticmethod(_storage_error)
+    schema_objects = staticmethod(_schema_objects)
 
     @staticmethod
     def store_corpus(store: Store) -> _Corpus:

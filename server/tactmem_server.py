@@ -644,18 +644,6 @@ def _not_ours(where: str, kind: str) -> tactmem.StorageError:
     )
 
 
-_SQL_SPACE: Final = re.compile("[ \t\n\f\r]+")  # SQLite's white space; it reads others as words
-
-
-def _schema_objects(connection: sqlite3.Connection) -> set[tuple[object, object, object]]:
-    """Every schema object as `(type, name, SQL with each run of white space one space)`."""
-    rows = connection.execute("SELECT type, name, sql FROM sqlite_schema")
-    return {
-        (kind, name, _SQL_SPACE.sub(" ", sql).strip(" ") if isinstance(sql, str) else sql)
-        for kind, name, sql in rows
-    }
-
-
 @functools.cache
 def _sqlite_objects() -> frozenset[tuple[object, object, object]]:
     """The schema objects tactmem-server creates in a SQLite file, as SQLite records them
@@ -664,7 +652,7 @@ def _sqlite_objects() -> frozenset[tuple[object, object, object]]:
     try:
         for statement in (*(sql.format(**_SQLITE_TYPES) for sql in _SCHEMA), "ANALYZE"):
             connection.execute(statement)
-        return frozenset(_schema_objects(connection))
+        return frozenset(tactmem.core.schema_objects(connection))
     finally:
         connection.close()
 
@@ -681,7 +669,7 @@ _SQLITE_PRAGMAS: Final = (
 def _check_sqlite(connection: sqlite3.Connection) -> None:
     """Refuse a SQLite file holding anything tactmem-server does not create (each object's
     whole SQL compared), or another user_version or text encoding."""
-    for kind, _, _ in _schema_objects(connection) - _sqlite_objects():
+    for kind, _, _ in tactmem.core.schema_objects(connection) - _sqlite_objects():
         raise _not_ours("file", str(kind))
     for pragma, expected, what in _SQLITE_PRAGMAS:
         if connection.execute(f"PRAGMA {pragma}").fetchone() != (expected,):
