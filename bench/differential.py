@@ -809,22 +809,22 @@ def compare(old: Path, new: Path, *, quiet: bool = False, show_first: int = 5) -
             [(u[0], u[1], u[2]) for u in json.loads(p.read_text(encoding="utf-8"))] for p in outs
         ]
     elapsed = time.monotonic() - start
-    a, b = sides
+    a, b = (keyed(side) for side in sides)
     counts: dict[str, list[int]] = {c: [0, 0, 0] for c in CATEGORIES}  # cases, units, diffs
     diffs: list[tuple[Unit, Unit | None]] = []
     seen_cases: dict[str, set[str]] = {c: set() for c in CATEGORIES}
-    for i, unit in enumerate(a):
+    for key, unit in a.items():
         category, case, _text = unit
         seen_cases[category].add(group_of(category, case))
         counts[category][1] += 1
-        other = b[i] if i < len(b) else None
+        other = b.get(key)
         if other != unit:
             counts[category][2] += 1
             diffs.append((unit, other))
-    extra = len(b) - len(a)
+    added = [unit for key, unit in b.items() if key not in a]  # NEW's additions: listed, not hidden
     for c in CATEGORIES:
         counts[c][0] = len(seen_cases[c])
-    total = sum(v[2] for v in counts.values()) + abs(extra)
+    total = sum(v[2] for v in counts.values())
     if not quiet:
         print(f"tactmem differential: OLD {old}  NEW {new}  ({elapsed:.1f} s)")
         print(f"{'category':<12}{'cases':>8}{'units':>9}{'differences':>13}")
@@ -832,17 +832,26 @@ def compare(old: Path, new: Path, *, quiet: bool = False, show_first: int = 5) -
             cases, units, d = counts[c]
             print(f"{c:<12}{cases:>8}{units:>9}{d:>13}")
         print(f"{'total':<12}{sum(v[0] for v in counts.values()):>8}{len(a):>9}{total:>13}")
-        if extra:
-            print(f"NEW produced {len(b)} units, OLD {len(a)}")
+        for unit in added:
+            print(f"NEW only ({unit[0]}): {unit[1]}: {unit[2][:200]}")
         for old_unit, new_unit in diffs[:show_first]:
             print(f"\n--- difference in {old_unit[0]}: {old_unit[1]}")
             print(describe(old_unit[2], None if new_unit is None else new_unit[2]))
-            if new_unit is not None and new_unit[:2] != old_unit[:2]:
-                print(f"(NEW's unit here is {new_unit[0]}: {new_unit[1]})")
         if len(diffs) > show_first:
             print(f"\n... and {len(diffs) - show_first} more")
         print("\nzero differences" if total == 0 else f"\n{total} differences")
     return total
+
+
+def keyed(units: list[Unit]) -> dict[tuple[str, str, int], Unit]:
+    """The units by category, case and how many of that case came before: a unit one side adds
+    (a new public name) shifts none of the others."""
+    seen: dict[tuple[str, str], int] = {}
+    out = {}
+    for unit in units:
+        n = seen[unit[:2]] = seen.get(unit[:2], -1) + 1
+        out[(unit[0], unit[1], n)] = unit
+    return out
 
 
 def group_of(category: str, case: str) -> str:
