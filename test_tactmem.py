@@ -427,6 +427,7 @@ def detect_secrets_finds(texts: Sequence[str], directory: Path) -> list[bool]:
 
 
 @pytest.mark.parametrize("name", sorted(path.name for path in INDEPENDENT.iterdir()))
+@pytest.mark.slow
 def test_independent_set_against_detect_secrets(name: str, tmp_path: Path) -> None:
     """Issue 12's differential test: tactmem refuses more of the credentials than
     detect-secrets finds, no ordinary memory, and a benign look-alike only under one of the
@@ -1771,6 +1772,7 @@ CHECK_PUT = (
         (CHECK_PUT, "    _ = _INSERT\n", "_INSERT"),
     ],
 )  # fmt: skip
+@pytest.mark.slow
 def test_the_purity_check_finds_io_in_a_doctored_copy(
     anchor: str, doctored: str, caught: str
 ) -> None:
@@ -1850,6 +1852,7 @@ def test_cli_put_from_stdin(
      (b"two lines\n\n", "two lines\n"), (b"no newline", "no newline"),
      (b"a" * 1025 + b"\n", None), (b"a" * 1023 + b"\n\n", "a" * 1023 + "\n")],
 )  # fmt: skip
+@pytest.mark.slow
 def test_put_from_stdin_drops_the_newline_echo_adds(
     db: Path, stdin: bytes, stored: str | None
 ) -> None:
@@ -2123,6 +2126,7 @@ def test_cli_help_and_version_return_zero(capsys: pytest.CaptureFixture[str]) ->
     assert status == 0 and "demo" in out
 
 
+@pytest.mark.slow
 def test_cli_survives_a_closed_pipe_and_a_narrow_encoding(db: Path) -> None:
     with Store(db) as store:
         for i in range(240):
@@ -2438,6 +2442,7 @@ def test_a_store_waiting_for_the_lock_of_a_file_taken_away_opens_the_new_one(db:
     assert [record.content for record in Store(db).list()] == ["after it went"]
 
 
+@pytest.mark.slow
 def test_a_failed_command_leaves_the_file_system_as_it_was(tmp_path: Path) -> None:
     """The same through the command line: a refused restore or import, a put refused as a
     secret, and a `--db` no file can have each print one line and leave nothing behind."""
@@ -2746,6 +2751,7 @@ def test_a_database_the_v1_original_wrote_exports_intact(db: Path, tmp_path: Pat
     assert rows_of(restored) == rows_of(db)
 
 
+@pytest.mark.slow
 def test_cli_export_import_restore_in_subprocesses(tmp_path: Path) -> None:
     source, file = tmp_path / "source.sqlite3", tmp_path / "backup.jsonl"
     with used_store(source, wall_clock_ms()) as store:
@@ -2792,6 +2798,7 @@ def test_cli_export_import_restore_in_subprocesses(tmp_path: Path) -> None:
     assert done.stdout == b"imported 0 records, skipped 3 already held\n"
 
 
+@pytest.mark.slow
 def test_cli_refusals_are_one_line_without_content(tmp_path: Path) -> None:
     db, file = tmp_path / "m.sqlite3", tmp_path / "backup.jsonl"
     used_store(tmp_path / "source.sqlite3", wall_clock_ms()).close()
@@ -2851,6 +2858,7 @@ print(json.dumps(sorted(seen) if mode == "reader" else log))
 """
 
 
+@pytest.mark.slow
 def test_an_import_is_atomic_with_respect_to_concurrent_writers(tmp_path: Path) -> None:
     source, file, db = (
         tmp_path / "source.sqlite3",
@@ -3242,6 +3250,7 @@ def test_mappings_that_are_not_dicts_work_like_dicts() -> None:
         assert tool.call(put)["memory"]["key"] == {"id": 1, "version": 1}
 
 
+@pytest.mark.slow
 def test_nul_in_content_is_refused_on_every_backend(tmp_path: Path) -> None:
     """Issue 17: PostgreSQL text cannot hold a NUL character, so no backend stores one: the
     local store refuses it as the server does (it used to store it), before any I/O, and
@@ -3662,6 +3671,7 @@ def test_agent_commands_refuse_a_config_without_memory(
 
 
 @pytest.mark.parametrize("child", [False, True])
+@pytest.mark.slow
 def test_mcp_with_memory_off_starts_and_says_why(tmp_path: Path, child: bool) -> None:
     """Issue 14: with the README's `mcpServers` snippet and memory off (the default), a host
     used to show only "Connection closed". Now the server starts, and its instructions, its
@@ -3701,6 +3711,7 @@ def test_mcp_with_memory_off_starts_and_says_why(tmp_path: Path, child: bool) ->
     ["[memory]\nenabeld = true\n", "[memory\n", None],
     ids=["unknown key", "not TOML", "missing"],
 )
+@pytest.mark.slow
 def test_mcp_with_a_broken_config_starts_and_says_why(tmp_path: Path, text: str | None) -> None:
     """A config `tactmem mcp` cannot read is served like memory off: the host sees the error
     instead of "Connection closed", and stdout (the JSON-RPC channel) carries nothing else."""
@@ -3816,6 +3827,7 @@ def peak_memory_kib(argv: Sequence[str], stdin: Any) -> tuple[int, bytes, int]:
     return status, done.stderr, peak
 
 
+@pytest.mark.slow
 def test_put_from_stdin_reads_at_most_the_bound(tmp_path: Path) -> None:
     """Issue 13: `put -` reads the content bound plus one byte, then refuses: 50 MB on stdin,
     or /dev/zero without end, costs no more memory than a short put."""
@@ -3836,6 +3848,7 @@ def test_put_from_stdin_reads_at_most_the_bound(tmp_path: Path) -> None:
     assert [r.content for r in Store(db).list()] == ["a short conclusion from stdin"]
 
 
+@pytest.mark.slow
 def test_a_50_mb_put_through_the_tool_costs_no_memory(tmp_path: Path) -> None:
     """Issue 13's measurement: a 50 MB put content on `tactmem tool` took 2.1 GB before it was
     refused. Now the line is refused in bounded pieces: the child's peak memory stays within
@@ -3921,6 +3934,7 @@ def test_tool_command_child_refuses_mutation(tmp_path: Path) -> None:
     assert (after.key, after.content) == (before[0].key, before[0].content)
 
 
+@pytest.mark.slow
 def test_environment_chooses_the_store(tmp_path: Path) -> None:
     first, second = tmp_path / "first", tmp_path / "second"
     first_config = write_config(first, "[memory]\nenabled = true\n")
@@ -3962,6 +3976,7 @@ def test_mcp_sdk_is_imported_only_by_the_mcp_command(
     assert err == "tactmem: tactmem mcp needs the MCP SDK: pip install 'tactmem[mcp]'\n"
 
 
+@pytest.mark.slow
 def test_mcp_server_over_stdio_with_the_sdk_client(tmp_path: Path) -> None:
     from mcp import Client
     from mcp.client.stdio import StdioServerParameters
@@ -4088,6 +4103,7 @@ def strict_problems(schema: Any, where: str = "$") -> Iterator[str]:
 
 @pytest.mark.parametrize("team", [False, True])
 @pytest.mark.parametrize("root", [True, False])
+@pytest.mark.slow
 def test_the_strict_schema_is_what_strict_mode_accepts(root: bool, team: bool) -> None:
     """Issue 14: `strict=True` passes the strict rules and the openai-agents SDK's own strict
     checker (which would rewrite a schema that is not strict already), means the same as the
@@ -4563,7 +4579,10 @@ class Terminal:
         self.master, self.slave = pty.openpty()  # the slave stays open: see `unread_input`
         self.resize(columns, rows, signal_child=False)
         # TERM=linux: pyte misses some xterm sequences that curses uses to redraw (tmux does not)
-        env = {**os.environ, "TERM": "linux", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+        # Without LINES and COLUMNS (pytest-xdist's workers set them to 24 and 80): curses would
+        # take them over the pseudo-terminal's size and never see a resize.
+        env = {k: v for k, v in os.environ.items() if k not in ("LINES", "COLUMNS")}
+        env |= {"TERM": "linux", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tactmem", *argv], stdin=self.slave, stdout=self.slave,
             stderr=self.slave, cwd=cwd, env=env, start_new_session=True,
@@ -4708,6 +4727,7 @@ def test_the_browser_keeps_ids_in_sight_whatever_the_namespace_length() -> None:
     assert local.splitlines()[:3] == [" Memory #3", " Memory metadata", " ID: 3"]
 
 
+@pytest.mark.slow
 def test_browse_inside_a_workspace_root_shows_team_memory(team: TeamServer, tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
@@ -4756,6 +4776,7 @@ def telemetry(path: Path) -> list[tuple[int, ...]]:
         ).fetchall()
 
 
+@pytest.mark.slow
 def test_browse_end_to_end_filter_sort_detail_delete(db: Path) -> None:
     with Store(db) as store:
         store.put("In the ledgerline repository, releases are tagged by CI.")
@@ -4813,6 +4834,7 @@ def test_browse_conflicting_delete_reloads_and_keeps_the_newer_value(db: Path) -
     assert (record.key, record.content) == (Key(1, 2), "Deploys go out on Thursdays.")
 
 
+@pytest.mark.slow
 def test_browse_held_keys_and_alt_keys_do_not_act(db: Path) -> None:
     with Store(db) as store:
         for i in range(5):
@@ -4842,6 +4864,7 @@ def test_browse_held_keys_and_alt_keys_do_not_act(db: Path) -> None:
     assert [r.key.id for r in Store(db).list()] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_browse_in_a_tiny_and_resized_terminal(tmp_path: Path, db: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text("[memory]\nenabled = false\n")
@@ -4896,6 +4919,7 @@ def scenario_file(directory: Path, steps: Sequence[Mapping[str, Any]], name: str
     return str(path)
 
 
+@pytest.mark.slow
 def test_eval_runs_the_shipped_scenarios_and_passes_their_thresholds() -> None:
     """The README's command, from a checkout: every shipped scenario, at the pre-registered
     operating point, meets every threshold and every expectation."""
@@ -5044,6 +5068,7 @@ def test_a_bad_thresholds_file_is_refused(
     assert (status, out) == (2, "") and message in err
 
 
+@pytest.mark.slow
 def test_the_sweep_agrees_with_a_run_at_each_point(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -5473,6 +5498,7 @@ for step in range(100_000):
 """
 
 
+@pytest.mark.slow
 def test_writer_killed_mid_stream_leaves_every_acknowledged_write(db: Path) -> None:
     """A writer is killed with SIGKILL at a random moment, 20 times in a row on one file."""
     import random
@@ -5604,6 +5630,7 @@ BIG_PUT = "one more conclusion " * 50  # needs a new page in a full file
     ],
     ids=["corrupt", "not-sqlite", "newer-schema", "directory", "full-page-budget"],
 )
+@pytest.mark.slow
 def test_faults_are_clear_errors_that_change_nothing(
     db: Path, prepare: Any, commands: list[str], error: type[TactmemError], message: str
 ) -> None:
@@ -5718,6 +5745,7 @@ HOSTILE_FILES = {
 
 
 @pytest.mark.parametrize("prepare", HOSTILE_FILES.values(), ids=HOSTILE_FILES.keys())
+@pytest.mark.slow
 def test_a_file_with_objects_tactmem_did_not_create_is_refused_untouched(
     db: Path, prepare: Callable[[Path], None]
 ) -> None:
@@ -5846,6 +5874,7 @@ def malformed_rows(db: Path) -> None:
             connection.execute(statement)
 
 
+@pytest.mark.slow
 def test_rows_of_the_wrong_type_are_hidden_never_a_traceback(db: Path) -> None:
     """Issue 13: every command and the tool hide malformed rows like secret-shaped ones; a
     replace of one is a conflict (its version is no integer an agent could name) or mends a
@@ -5996,6 +6025,7 @@ def test_a_full_disk_is_not_the_page_budget() -> None:
             assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
 
+@pytest.mark.slow
 def test_read_only_directory_is_a_clear_error() -> None:
     with read_only_directory() as (directory, seal):
         existing = directory / "existing.sqlite3"
@@ -6187,6 +6217,7 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_remote_store_round_trip_across_namespaces(team: TeamServer) -> None:
     alice, bob = team.store("alice"), team.store("bob")
     first = alice.put("In ledgerline, releases are tagged by CI, never by hand.")
@@ -6257,6 +6288,7 @@ def test_remote_store_checks_input_before_any_request() -> None:
         nowhere.scan("releases")  # three attempts, 100 and 250 ms apart
 
 
+@pytest.mark.slow
 def test_remote_store_meets_the_namespace_bounds(team: TeamServer) -> None:
     alice, bob = team.store("alice"), team.store("bob")
     for number in range(256):  # 256 records of 1,024 bytes fill the 262,144 content bytes
@@ -6505,6 +6537,7 @@ REFUSED: list[tuple[str, Any, Callable[[tactmem.RemoteStore], object]]] = [
 
 
 @pytest.mark.parametrize(("route", "answer", "call"), REFUSED)
+@pytest.mark.slow
 def test_remote_store_refuses_answers_outside_the_protocol(
     route: str, answer: Any, call: Callable[[tactmem.RemoteStore], object]
 ) -> None:
@@ -6519,6 +6552,7 @@ def test_remote_store_refuses_answers_outside_the_protocol(
         stub.close()
 
 
+@pytest.mark.slow
 def test_remote_store_drops_secret_shaped_and_unsound_records() -> None:
     secret = "deploy with AKIAIOSFODNN7EXAMPLE"
     stub = StubServer({
@@ -6539,6 +6573,7 @@ def test_remote_store_drops_secret_shaped_and_unsound_records() -> None:
         stub.close()
 
 
+@pytest.mark.slow
 def test_remote_store_drops_records_holding_a_nul_as_it_drops_secret_shaped_ones(
     tmp_path: Path,
 ) -> None:
@@ -6573,6 +6608,7 @@ def test_remote_store_drops_records_holding_a_nul_as_it_drops_secret_shaped_ones
         stub.close()
 
 
+@pytest.mark.slow
 def test_remote_store_retries_as_the_original_client() -> None:
     unavailable = (503, {"retry-after": "0"}, {"code": "unavailable"})
     stub = StubServer(
@@ -6597,6 +6633,7 @@ def test_remote_store_retries_as_the_original_client() -> None:
 
 
 @pytest.mark.parametrize("after", ["\u00b2", "1e3", "-1", " 1", "99999999999999999999"])
+@pytest.mark.slow
 def test_remote_store_takes_only_a_plain_retry_after(after: str) -> None:
     """`Retry-After: ²` passes `str.isdigit` but not `float`: it is no number of seconds."""
     stub = StubServer({"session": SESSION, "memories/list": (503, {"retry-after": after},
@@ -6639,6 +6676,7 @@ ROUTE_CALLS: dict[str, tuple[Any, Callable[[tactmem.RemoteStore], object]]] = {
 
 
 @pytest.mark.parametrize("route", ROUTE_CALLS)
+@pytest.mark.slow
 def test_remote_store_deadline_holds_to_the_last_byte_of_every_route(route: str) -> None:
     """Issue 25: a server sending its headers a byte every quarter second kept the client
     waiting a minute (a socket timeout bounds each receive alone). The request's deadline
@@ -6656,6 +6694,7 @@ def test_remote_store_deadline_holds_to_the_last_byte_of_every_route(route: str)
         stub.close()
 
 
+@pytest.mark.slow
 def test_remote_store_deadline_holds_in_a_slow_body_and_on_a_retry() -> None:
     """A body sent a byte at a time times out as headers do, and so does each attempt of a
     repeated request: the second attempt of a list (after a 503) dribbles and fails alone."""
@@ -6682,6 +6721,7 @@ def test_remote_store_deadline_holds_in_a_slow_body_and_on_a_retry() -> None:
         stub.close()
 
 
+@pytest.mark.slow
 def test_remote_store_deadline_holds_while_the_name_is_looked_up(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -6706,6 +6746,7 @@ def test_remote_store_deadline_holds_while_the_name_is_looked_up(
         released.set()
 
 
+@pytest.mark.slow
 def test_remote_store_verifies_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server whose certificate no trusted authority signed is refused, before any request;
     once the certificate is trusted (`SSL_CERT_FILE`, read by the default context), it works."""
@@ -6779,6 +6820,7 @@ def stubbed(answers: dict[str, Any]) -> Iterator[StubServer]:
         stub.close()
 
 
+@pytest.mark.slow
 def test_client_retries_safe_operations_but_does_not_replay_put_responses() -> None:
     """client_retries_safe_operations_but_does_not_replay_put_responses: a list answered 503 once
     is repeated and succeeds; a put answered 503 is sent once and is `unavailable`."""
@@ -6793,6 +6835,7 @@ def test_client_retries_safe_operations_but_does_not_replay_put_responses() -> N
         assert stub.hits["memories/put"] == 1
 
 
+@pytest.mark.slow
 def test_client_carries_bookmarks_across_concurrent_clones() -> None:
     """client_carries_bookmarks_across_concurrent_clones: two lists at once on one store (the
     original's clones share one client) go one after the other, each sending the bookmark the
@@ -6850,6 +6893,7 @@ def test_client_reports_a_missing_versioned_session_route_as_incompatible() -> N
         stub.close()
 
 
+@pytest.mark.slow
 def test_client_rejects_an_unbounded_list_window() -> None:
     """client_rejects_an_unbounded_list_window: a list of 513 records is refused."""
     memories = [versioned(doc_id, 1, "visible") for doc_id in range(1, 514)]
@@ -6890,6 +6934,7 @@ def test_client_rejects_scan_responses_out_of_rank_order() -> None:
         stub.store().scan("candidate", limit=2)
 
 
+@pytest.mark.slow
 def test_client_enforces_the_requested_export_page_size() -> None:
     """client_enforces_the_requested_export_page_size: a page with one record more than the
     request's `limit` is refused (the original asks for 1 and gets 2; `export` asks for its
@@ -6985,6 +7030,7 @@ def cursors_sent(stub: StubServer) -> list[Any]:
     return [body["cursor"] for route, _, body in stub.requests if route == "memories/export"]
 
 
+@pytest.mark.slow
 def test_export_page_enforces_namespace_and_exact_cursor() -> None:
     """export_page_enforces_namespace_and_exact_cursor: a page of the selected namespace whose
     cursor is its last key is taken (the next page is asked after it); a record of another
@@ -7003,6 +7049,7 @@ def test_export_page_enforces_namespace_and_exact_cursor() -> None:
         stub.store().export(["alpha"])
 
 
+@pytest.mark.slow
 def test_export_page_rejects_duplicate_and_out_of_order_keys() -> None:
     """export_page_rejects_duplicate_and_out_of_order_keys: one key twice in a page is refused,
     and so is a page after the cursor `beta`/2 (2 records, 6 bytes so far) that holds `alpha`/1."""
@@ -7017,6 +7064,7 @@ def test_export_page_rejects_duplicate_and_out_of_order_keys() -> None:
         assert cursors_sent(stub) == [None, {"namespace": "beta", "id": 2}]
 
 
+@pytest.mark.slow
 def test_export_page_rejects_multi_cursor_cycles() -> None:
     """export_page_rejects_multi_cursor_cycles: `alpha`/1, then `beta`/1, then `alpha`/1 again
     (a cycle through two cursors) is refused at the third page."""
@@ -7031,6 +7079,7 @@ def test_export_page_rejects_multi_cursor_cycles() -> None:
         ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_export_page_rejects_aggregate_limits_before_accumulation() -> None:
     """export_page_rejects_aggregate_limits_before_accumulation: one record more after 512 is
     refused, and so is one byte more after 262,144 content bytes."""
@@ -7103,6 +7152,7 @@ def run_in(
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_cli_uses_team_memory_inside_a_workspace_root(team: TeamServer, tmp_path: Path) -> None:
     work, elsewhere = tmp_path / "work" / "repo", tmp_path / "elsewhere"
     work.mkdir(parents=True)
@@ -7144,6 +7194,7 @@ def test_cli_uses_team_memory_inside_a_workspace_root(team: TeamServer, tmp_path
         assert local.list() == kept  # not a scan's, not a put's telemetry: untouched
 
 
+@pytest.mark.slow
 def test_mcp_inside_a_workspace_root_serves_team_memory(team: TeamServer, tmp_path: Path) -> None:
     from mcp import Client
     from mcp.client.stdio import StdioServerParameters
@@ -7181,6 +7232,7 @@ def test_mcp_inside_a_workspace_root_serves_team_memory(team: TeamServer, tmp_pa
     assert not Path(memory_db_path(config)).exists()  # nothing went to a local store
 
 
+@pytest.mark.slow
 def test_the_team_tool_reads_by_the_keys_scan_returned(team: TeamServer) -> None:
     """In team memory cards come from several namespaces whose ids overlap, so the tool's
     `read` takes the keys scan gave (as the original's tool does); a key may name its
@@ -7243,6 +7295,7 @@ def test_the_team_tool_reads_by_the_keys_scan_returned(team: TeamServer) -> None
         MemoryTool(Store(":memory:"), root=True, team=True)
 
 
+@pytest.mark.slow
 def test_cli_takes_the_keys_scan_prints_inside_a_workspace_root(
     team: TeamServer, tmp_path: Path
 ) -> None:
@@ -7298,6 +7351,7 @@ def test_cli_takes_the_keys_scan_prints_inside_a_workspace_root(
         assert "a bare ID always names your own namespace's record" in help_text
 
 
+@pytest.mark.slow
 def test_cli_refuses_another_namespaces_key_before_any_request(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7342,6 +7396,7 @@ def test_cli_team_keys_outside_a_workspace_root_are_a_usage_error(
     assert not db.exists() and not db.parent.exists()
 
 
+@pytest.mark.slow
 def test_a_dribbling_server_never_holds_the_command_line(tmp_path: Path) -> None:
     """Issue 25: behind a server that sends its headers a byte every quarter second, `tactmem
     scan` waited 65 s and a `tactmem tool` scan never answered. Each now fails within its
@@ -7582,6 +7637,7 @@ def test_push_plan_refuses_two_records_of_one_conclusion_and_the_bounds() -> Non
         plan_push(many, [])
 
 
+@pytest.mark.slow
 def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
     """`push` plans against what the server holds (README, "The push rule"): a record this
     store has never seen is kept, new local records get ids the namespace never used, and a
@@ -7644,6 +7700,7 @@ def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
     assert bad.returncode == 1 and "namespace" in bad.stderr
 
 
+@pytest.mark.slow
 def test_push_reconciles_local_writes_that_race_the_snapshot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7690,6 +7747,7 @@ def exporting(*records: Any, headers: dict[str, str] | None = None) -> Any:
     return (200, headers or {}, {"memories": list(records), "next_cursor": None})
 
 
+@pytest.mark.slow
 def test_push_to_a_server_without_a_guard_warns_when_its_counts_show_a_race(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7712,6 +7770,7 @@ def test_push_to_a_server_without_a_guard_warns_when_its_counts_show_a_race(
         stub.close()
 
 
+@pytest.mark.slow
 def test_push_refuses_to_delete_what_the_server_does_not_show(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7743,6 +7802,7 @@ def test_push_refuses_to_delete_what_the_server_does_not_show(
 @pytest.mark.parametrize(
     "facts", [("5", "0", "1"), ("x", "1", "1"), ("5", "1", "-1"), ("5", "1"), ("1e3", "1", "1")]
 )
+@pytest.mark.slow
 def test_push_refuses_namespace_facts_out_of_shape(
     facts: tuple[str, ...], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7757,6 +7817,7 @@ def test_push_refuses_namespace_facts_out_of_shape(
         stub.close()
 
 
+@pytest.mark.slow
 def test_push_says_a_namespace_with_no_id_left_is_full_not_its_content(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7776,6 +7837,7 @@ def test_push_says_a_namespace_with_no_id_left_is_full_not_its_content(
         stub.close()
 
 
+@pytest.mark.slow
 def test_a_forced_dry_run_says_what_force_does_to_hidden_rows(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7794,6 +7856,7 @@ def test_a_forced_dry_run_says_what_force_does_to_hidden_rows(
         stub.close()
 
 
+@pytest.mark.slow
 def test_the_team_links_file_is_checked_and_shared(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7868,6 +7931,7 @@ def test_a_pull_killed_before_its_bookkeeping_is_found_by_the_next_push(tmp_path
     assert mine.key.id == 1
 
 
+@pytest.mark.slow
 def test_push_needs_a_writer_and_a_configured_remote(team: TeamServer, tmp_path: Path) -> None:
     (tmp_path / "work").mkdir()
     config = team_config(tmp_path, team.url, ["work"], namespace="reader",
@@ -8172,6 +8236,7 @@ def test_openai_responses_strict_snippet(
     assert stored["memory"]["key"] == {"id": 2, "version": 1} and stored["replaced"] is False
 
 
+@pytest.mark.slow
 def test_anthropic_messages_snippet(
     tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
 ) -> None:
@@ -8350,6 +8415,7 @@ def test_every_python_block_in_the_readme_runs(
     assert namespace["review"].prompt("next")[1].endswith(MEMORY_REVIEW_CHECKPOINT)
 
 
+@pytest.mark.slow
 def test_readme_mcp_servers_snippet_with_the_sdk_client(tmp_path: Path) -> None:
     """The README's `mcpServers` entries as a host runs them (`tactmem` as `python -m
     tactmem`, the same command), on a config that enables memory: the `memory` server offers
