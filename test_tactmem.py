@@ -36,6 +36,7 @@ import time
 import tomllib
 import types
 import unicodedata
+import unittest.mock
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -7152,6 +7153,28 @@ def run_in(
     )  # fmt: skip
 
 
+def main_in(
+    cwd: Path, config: Path, *argv: str, stdin: bytes = b""
+) -> subprocess.CompletedProcess[str]:
+    """`run_in` without the process: `main` in `cwd`, with `run_in`'s environment and its
+    standard streams as bytes, for tests of what the command does, not of the process."""
+    written, errors = io.BytesIO(), io.BytesIO()
+    out = io.TextIOWrapper(written, encoding="utf-8")
+    err = io.TextIOWrapper(errors, encoding="utf-8")
+    given = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")
+    with (
+        contextlib.chdir(cwd),
+        unittest.mock.patch.dict(os.environ, subprocess_env(), clear=True),
+        unittest.mock.patch.multiple(sys, stdin=given, stdout=out, stderr=err),
+    ):
+        status = tactmem.main(["--config", str(config), *argv])
+    out.flush()
+    err.flush()
+    return subprocess.CompletedProcess(
+        list(argv), status, written.getvalue().decode(), errors.getvalue().decode()
+    )
+
+
 @pytest.mark.slow
 def test_cli_uses_team_memory_inside_a_workspace_root(team: TeamServer, tmp_path: Path) -> None:
     work, elsewhere = tmp_path / "work" / "repo", tmp_path / "elsewhere"
@@ -7159,37 +7182,37 @@ def test_cli_uses_team_memory_inside_a_workspace_root(team: TeamServer, tmp_path
     elsewhere.mkdir()
     config = team_config(tmp_path, team.url, ["work"])
     local_db = Path(memory_db_path(config))
-    done = run_in(work, config, "put", "In ledgerline, CI tags the releases.")
+    done = main_in(work, config, "put", "In ledgerline, CI tags the releases.")
     assert (done.returncode, done.stdout, done.stderr) == (0, "stored alice#1 v1\n", "")
     assert not local_db.exists()  # it went to the team server
-    assert run_in(work, config, "list").stdout.startswith("alice#1 v1 · updated")
-    again = run_in(work, config, "put", "--replace", "1@1", "In ledgerline, CI tags each release.")
+    assert main_in(work, config, "list").stdout.startswith("alice#1 v1 · updated")
+    again = main_in(work, config, "put", "--replace", "1@1", "In ledgerline, CI tags each release.")
     assert again.stdout == "replaced alice#1 v2\n"
-    scratch = run_in(work, config, "put", "Scratch: removed by the next command.").stdout
+    scratch = main_in(work, config, "put", "Scratch: removed by the next command.").stdout
     assert scratch == "stored alice#2 v1\n"
-    assert run_in(work, config, "delete", "2@1").stdout == "deleted alice#2\n"
-    assert run_in(work, config, "scan", "ledgerline").stdout.startswith("alice#1 v2  ")
-    browse = run_in(work, config, "browse")  # the team's records, but it needs a terminal
+    assert main_in(work, config, "delete", "2@1").stdout == "deleted alice#2\n"
+    assert main_in(work, config, "scan", "ledgerline").stdout.startswith("alice#1 v2  ")
+    browse = main_in(work, config, "browse")  # the team's records, but it needs a terminal
     assert browse.returncode == 1 and "browse needs a terminal" in browse.stderr
-    listed = json.loads(run_in(work, config, "--json", "list").stdout)
+    listed = json.loads(main_in(work, config, "--json", "list").stdout)
     assert listed["memories"][0]["key"] == {"id": 1, "version": 2, "namespace": "alice"}
     assert [r.content for r in team.store("bob").list()] == ["In ledgerline, CI tags each release."]
-    outside = run_in(elsewhere, config, "put", "A local conclusion, kept on this machine.")
+    outside = main_in(elsewhere, config, "put", "A local conclusion, kept on this machine.")
     assert outside.returncode == 0 and local_db.exists()
     assert len(team.store("bob").list()) == 1
-    tool = run_in(
+    tool = main_in(
         work, config, "tool", stdin=json_lines({"operation": "scan", "query": "ledgerline"})
     )
     assert json.loads(tool.stdout)["candidates"][0]["key"]["namespace"] == "alice"
     with Store(local_db) as local:
         kept = local.list()
     team.stop()  # unreachable: an error, never the local store instead
-    failed = run_in(work, config, "scan", "ledgerline")
+    failed = main_in(work, config, "scan", "ledgerline")
     assert failed.returncode == 1 and "could not be reached" in failed.stderr
     assert "Traceback" not in failed.stderr and ALICE_TOKEN not in failed.stderr
-    answer = json.loads(run_in(work, config, "--json", "scan", "local conclusion").stdout)
+    answer = json.loads(main_in(work, config, "--json", "scan", "local conclusion").stdout)
     assert answer["error"]["code"] == "remote_unavailable"
-    assert run_in(work, config, "put", "Not stored anywhere.").returncode == 1
+    assert main_in(work, config, "put", "Not stored anywhere.").returncode == 1
     with Store(local_db) as local:
         assert local.list() == kept  # not a scan's, not a put's telemetry: untouched
 
@@ -7307,14 +7330,14 @@ def test_cli_takes_the_keys_scan_prints_inside_a_workspace_root(
     work.mkdir()
     config = team_config(tmp_path, team.url, ["work"])
     team.store("bob").put("Bob: the release train leaves on Thursdays.")
-    assert run_in(work, config, "put", "Alice: deploys wait for the release train.").stdout == (
+    assert main_in(work, config, "put", "Alice: deploys wait for the release train.").stdout == (
         "stored alice#1 v1\n"
     )
-    scan = run_in(work, config, "scan", "release train").stdout.splitlines()
+    scan = main_in(work, config, "scan", "release train").stdout.splitlines()
     assert sorted(line.split("  ")[0] for line in scan) == ["alice#1 v1", "bob#1 v1"]
 
     def read(*names: str) -> list[str]:
-        done = run_in(work, config, "read", *names)
+        done = main_in(work, config, "read", *names)
         assert done.returncode == 0 and done.stderr == "", done.stderr
         return [line.split(" ")[0] for line in done.stdout.splitlines() if "#" in line]
 
@@ -7322,32 +7345,32 @@ def test_cli_takes_the_keys_scan_prints_inside_a_workspace_root(
     assert read("bob#1@1") == ["bob#1"]
     assert read("1", "bob#1@1") == ["alice#1", "bob#1"]  # in the order named
     assert read("bob#1@1", "alice#1", "1") == ["bob#1", "alice#1"]
-    own = run_in(work, config, "read", "1").stdout
+    own = main_in(work, config, "read", "1").stdout
     assert "Alice: deploys wait" in own and "Bob" not in own
-    shown = run_in(work, config, "read", "bob#1@1").stdout
+    shown = main_in(work, config, "read", "bob#1@1").stdout
     assert "Bob: the release train leaves on Thursdays." in shown
-    as_json = json.loads(run_in(work, config, "--json", "read", "bob#1@1").stdout)
+    as_json = json.loads(main_in(work, config, "--json", "read", "bob#1@1").stdout)
     assert as_json["memories"][0]["key"] == {"id": 1, "version": 1, "namespace": "bob"}
-    stale = run_in(work, config, "read", "bob#1@2")
+    stale = main_in(work, config, "read", "bob#1@2")
     assert (stale.returncode, stale.stdout) == (3, "no such memory\n")
-    unversioned = run_in(work, config, "read", "bob#1")
+    unversioned = main_in(work, config, "read", "bob#1")
     assert unversioned.returncode == 2 and "NS#ID@VERSION" in unversioned.stderr
     for argv in (("put", "Bob's, rewritten.", "--replace", "bob#1@1"), ("delete", "bob#1@1")):
-        denied = run_in(work, config, *argv)
+        denied = main_in(work, config, *argv)
         assert (denied.returncode, denied.stdout) == (1, "")
         assert denied.stderr == "tactmem: remote memory changes only its own namespace's records\n"
-        code = json.loads(run_in(work, config, "--json", *argv).stdout)["error"]["code"]
+        code = json.loads(main_in(work, config, "--json", *argv).stdout)["error"]["code"]
         assert code == "remote_denied"
-    replaced = run_in(
+    replaced = main_in(
         work, config, "put", "Alice: deploys follow the train.", "--replace", "alice#1@1"
     )
     assert replaced.stdout == "replaced alice#1 v2\n"
-    assert run_in(work, config, "delete", "alice#1@2").stdout == "deleted alice#1\n"
+    assert main_in(work, config, "delete", "alice#1@2").stdout == "deleted alice#1\n"
     assert [r.content for r in team.store("bob").list()] == [
         "Bob: the release train leaves on Thursdays."
     ]
     for command in ("read", "put", "delete"):
-        help_text = " ".join(run_in(work, config, command, "--help").stdout.split())
+        help_text = " ".join(main_in(work, config, command, "--help").stdout.split())
         assert "a bare ID always names your own namespace's record" in help_text
 
 
@@ -7650,7 +7673,7 @@ def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
         first = local.put("In ledgerline, CI tags the releases.")
         local.put("The user prefers small, reviewable commits.")
     team.store("alice").put("A server-only row this store has not seen.")
-    dry = run_in(elsewhere, config, "push", "--dry-run")
+    dry = main_in(elsewhere, config, "push", "--dry-run")
     kept = (
         "  kept      alice#1, not seen by this store (`tactmem pull` fetches, `push --force`"
         " deletes)\n"
@@ -7663,7 +7686,7 @@ def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
         "The namespace would then hold 3 memories (121 content bytes).\n"  # 42 + 36 + 43 bytes
     )
     assert [r.key.id for r in team.store("bob").list()] == [1]  # a dry run sends nothing
-    pushed = run_in(elsewhere, config, "push")
+    pushed = main_in(elsewhere, config, "push")
     assert pushed.stdout == (
         "Pushed 2 memories to namespace `alice`: 2 inserted, 0 replaced, 1 unchanged, 0 deleted.\n"
         + kept
@@ -7673,7 +7696,7 @@ def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
         (2, first.content),
         (3, "The user prefers small, reviewable commits."),
     ]
-    again = json.loads(run_in(elsewhere, config, "--json", "push").stdout)
+    again = json.loads(main_in(elsewhere, config, "--json", "push").stdout)
     plan = {"inserted": [], "replaced": [], "deleted": [], "conflicts": [], "unseen": [1],
             "gone": [], "foreign": 0, "hidden": 0}  # fmt: skip
     assert again == {"pushed": 2, "namespace": "alice", "inserted": 0, "replaced": 0,
@@ -7685,18 +7708,18 @@ def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
     pull_config = team_config(other, team.url, ["work"])
     with Store(memory_db_path(pull_config)) as theirs:
         theirs.put("the user prefers SMALL, reviewable commits.")  # held: skipped
-    pulled = run_in(elsewhere, pull_config, "pull", "--all")
+    pulled = main_in(elsewhere, pull_config, "pull", "--all")
     assert pulled.stdout == "Pulled all namespaces: 4 fetched, 3 inserted, 1 skipped.\n"
     with Store(memory_db_path(pull_config)) as theirs:
         records = theirs.list()
     assert [r.key for r in records] == [Key(1, 1), Key(2, 1), Key(3, 1), Key(4, 1)]  # fresh ids
     assert all(r.probation_until_ms is not None and r.use_count == 0 for r in records)
-    some = run_in(elsewhere, pull_config, "pull", "--namespace", "bob")
+    some = main_in(elsewhere, pull_config, "pull", "--namespace", "bob")
     assert some.stdout == "Pulled namespaces `bob`: 1 fetched, 0 inserted, 1 skipped.\n"
     for argv in (("pull",), ("pull", "--all", "--namespace", "bob")):
-        usage = run_in(elsewhere, pull_config, *argv)
+        usage = main_in(elsewhere, pull_config, *argv)
         assert usage.returncode == 2 and "exactly one" in usage.stderr
-    bad = run_in(elsewhere, pull_config, "pull", "--namespace", "no spaces")
+    bad = main_in(elsewhere, pull_config, "pull", "--namespace", "no spaces")
     assert bad.returncode == 1 and "namespace" in bad.stderr
 
 
@@ -7936,11 +7959,11 @@ def test_push_needs_a_writer_and_a_configured_remote(team: TeamServer, tmp_path:
     (tmp_path / "work").mkdir()
     config = team_config(tmp_path, team.url, ["work"], namespace="reader",
                          bearer_token=READER_TOKEN)  # fmt: skip
-    denied = run_in(tmp_path, config, "push")
+    denied = main_in(tmp_path, config, "push")
     assert denied.returncode == 1 and "read-only" in denied.stderr
     plain = tmp_path / "plain.toml"
     plain.write_text("[memory]\nenabled = true\n")
-    missing = run_in(tmp_path, plain, "pull", "--all")
+    missing = main_in(tmp_path, plain, "pull", "--all")
     assert missing.returncode == 1 and "not configured" in missing.stderr
 
 
