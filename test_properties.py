@@ -532,6 +532,7 @@ def credential_url_word_by_word(text: str) -> bool:
 
 @settings(max_examples=500, deadline=None)
 @given(pieces=st.lists(SECRET_PIECES | st.sampled_from(["a://b", "/", "@", "#"]), max_size=12))
+@pytest.mark.slow
 def test_credential_url_search_agrees_with_the_word_split(pieces: list[str]) -> None:
     content = "".join(pieces)
     assert tactmem._credential_url(content) == credential_url_word_by_word(content)
@@ -1545,6 +1546,7 @@ def _link(local: tuple[int, int, str], team: tuple[int, int, str]) -> Any:
     _records(False), _records(True), _links, _links, st.none() | st.integers(7, 9), st.booleans(),
     _NOW,
 )  # fmt: skip
+@pytest.mark.slow
 def test_a_push_never_rewrites_a_key_nor_touches_what_it_has_not_seen(
     local: list[Record], remote: list[Record], links: list[Any], pending: list[Any],
     next_id: int | None, force: bool, now_ms: int,

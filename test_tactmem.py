@@ -878,6 +878,7 @@ def test_a_damaged_side_cache_is_ignored(db: Path, damage: bytes) -> None:
 
 
 @pytest.mark.parametrize("torn", [b"", b'["abc", fal'])  # parsed at once, or line by line
+@pytest.mark.slow
 def test_a_side_cache_nested_too_deep_is_ignored(db: Path, torn: bytes) -> None:
     """JSON nested deeper than Python's recursion limit is a RecursionError, not a ValueError:
     it must not leave a scan, nor the command line, as anything but an ignored cache."""
@@ -962,6 +963,7 @@ def test_side_cache_that_is_not_a_file_or_cannot_be_written(db: Path) -> None:
     assert (db.parent / (db.name + "-cache")).is_dir()
 
 
+@pytest.mark.slow
 def test_side_cache_stays_bounded_by_the_live_texts(db: Path) -> None:
     with Store(db) as store:
         record = store.put("release 0", now_ms=0)
@@ -1109,6 +1111,7 @@ def test_stats_warns_when_others_can_read(
 
 
 @pytest.mark.parametrize("device", ["/dev/null", "/dev/zero", "fifo"])
+@pytest.mark.slow
 def test_a_device_or_fifo_as_the_database_is_refused_before_sqlite_opens_it(
     tmp_path: Path, device: str
 ) -> None:
@@ -2423,6 +2426,7 @@ def test_a_failed_first_use_leaves_the_file_system_as_it_was(tmp_path: Path, fai
     assert tree(tmp_path) == ["new", "new/deeper", "new/deeper/v1.sqlite3"]
 
 
+@pytest.mark.slow
 def test_a_store_waiting_for_the_lock_of_a_file_taken_away_opens_the_new_one(db: Path) -> None:
     """A failed first use takes its file away under the write lock (`_unmake`); a store that
     opened the file meanwhile and waits for that lock then writes to the file at the path,
@@ -3871,6 +3875,7 @@ def test_a_50_mb_put_through_the_tool_costs_no_memory(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("argv", [["list"], ["tool"], ["scan", "rust"]])
+@pytest.mark.slow
 def test_a_closed_standard_output_is_one_line(db: Path, argv: list[str]) -> None:
     command = " ".join(
         [sys.executable, "-m", "tactmem", "--db", shlex.quote(str(db)), *argv, ">&-"]
@@ -4749,6 +4754,7 @@ def test_browse_inside_a_workspace_root_shows_team_memory(team: TeamServer, tmp_
     assert not Path(memory_db_path(config)).exists()  # and no local store made
 
 
+@pytest.mark.slow
 def test_browse_esc_clears_the_filter_in_a_real_terminal(db: Path) -> None:
     with Store(db) as store:
         store.put("In the ledgerline repository, releases are tagged by CI.")
@@ -4813,6 +4819,7 @@ def test_browse_end_to_end_filter_sort_detail_delete(db: Path) -> None:
     assert telemetry(db) == before[1:]
 
 
+@pytest.mark.slow
 def test_browse_conflicting_delete_reloads_and_keeps_the_newer_value(db: Path) -> None:
     with Store(db) as store:
         first = store.put("Deploys go out on Tuesdays.")
@@ -6269,6 +6276,7 @@ def test_remote_store_reader_role_and_session(team: TeamServer) -> None:
         assert ALICE_TOKEN not in str(error) and "not-a-known" not in str(error)
 
 
+@pytest.mark.slow
 def test_remote_store_checks_input_before_any_request() -> None:
     nowhere = tactmem.RemoteStore(f"http://127.0.0.1:{free_port()}", "alice", ALICE_TOKEN)
     started = time.monotonic()
@@ -6300,6 +6308,7 @@ def test_remote_store_meets_the_namespace_bounds(team: TeamServer) -> None:
     assert len(alice.list()) == 257
 
 
+@pytest.mark.slow
 def test_memory_tool_over_a_remote_store(team: TeamServer) -> None:
     root, child = (
         MemoryTool(team.store("alice"), root=True),
@@ -6647,6 +6656,7 @@ def test_remote_store_takes_only_a_plain_retry_after(after: str) -> None:
         stub.close()
 
 
+@pytest.mark.slow
 def test_remote_store_times_out() -> None:
     def slow(*_: object) -> tuple[int, dict[str, str], Any]:
         time.sleep(1.5)
@@ -6870,6 +6880,7 @@ def test_client_carries_bookmarks_across_concurrent_clones() -> None:
         assert sent == [None, "bookmark-1", "bookmark-2"]
 
 
+@pytest.mark.slow
 def test_client_preserves_empty_content_and_exhausted_rate_limit_errors() -> None:
     """client_preserves_empty_content_and_exhausted_rate_limit_errors: a blank put is
     `EmptyContent` without a request (the original's client points at port 1); a list that is
@@ -6883,6 +6894,7 @@ def test_client_preserves_empty_content_and_exhausted_rate_limit_errors() -> Non
         stub.store().list()
 
 
+@pytest.mark.slow
 def test_client_reports_a_missing_versioned_session_route_as_incompatible() -> None:
     """client_reports_a_missing_versioned_session_route_as_incompatible: a server without the
     v1 routes (a bare 404) speaks another protocol."""
@@ -6905,6 +6917,7 @@ def test_client_rejects_an_unbounded_list_window() -> None:
         stub.store().list()
 
 
+@pytest.mark.slow
 def test_client_suppresses_unsafe_scan_previews() -> None:
     """client_suppresses_unsafe_scan_previews: a secret-shaped preview is dropped, not shown."""
     with stubbed(
@@ -6913,6 +6926,7 @@ def test_client_suppresses_unsafe_scan_previews() -> None:
         assert stub.store().scan("password", limit=5).candidates == ()
 
 
+@pytest.mark.slow
 def test_client_rejects_oversized_scan_responses() -> None:
     """client_rejects_oversized_scan_responses: two cards for a scan of limit 1 are refused."""
     cards = scan_of(card(1, preview="candidate 1"), card(2, preview="candidate 2"))
@@ -6920,6 +6934,7 @@ def test_client_rejects_oversized_scan_responses() -> None:
         stub.store().scan("candidate", limit=1)
 
 
+@pytest.mark.slow
 def test_client_rejects_ambiguous_versions_in_scan_responses() -> None:
     """client_rejects_ambiguous_versions_in_scan_responses: two versions of one record in one
     scan are refused."""
@@ -6928,6 +6943,7 @@ def test_client_rejects_ambiguous_versions_in_scan_responses() -> None:
         stub.store().scan("version", limit=2)
 
 
+@pytest.mark.slow
 def test_client_rejects_scan_responses_out_of_rank_order() -> None:
     """client_rejects_scan_responses_out_of_rank_order: scores 1.0 then 2.0 are refused."""
     cards = scan_of(*(card(i, float(i), preview=f"candidate {i}") for i in (1, 2)))
@@ -6951,6 +6967,7 @@ def test_client_enforces_the_requested_export_page_size() -> None:
         assert stub.requests[-1][2]["limit"] == 128
 
 
+@pytest.mark.slow
 def test_client_rejects_sync_reports_that_do_not_match_the_snapshot() -> None:
     """client_rejects_sync_reports_that_do_not_match_the_snapshot: 2 inserted for a snapshot of
     one record is refused."""
@@ -6963,6 +6980,7 @@ def test_client_rejects_sync_reports_that_do_not_match_the_snapshot() -> None:
         stub.store().sync([snapshot])
 
 
+@pytest.mark.slow
 def test_client_rejects_put_responses_unrelated_to_the_request() -> None:
     """client_rejects_put_responses_unrelated_to_the_request: record 2 with other content is no
     answer to an insert, nor to a replace of record 1."""
@@ -6975,6 +6993,7 @@ def test_client_rejects_put_responses_unrelated_to_the_request() -> None:
         assert stub.hits["memories/put"] == 2
 
 
+@pytest.mark.slow
 def test_client_preserves_equivalent_content_from_distinct_namespaces() -> None:
     """client_preserves_equivalent_content_from_distinct_namespaces: the same text in two
     namespaces is two records."""
@@ -6984,6 +7003,7 @@ def test_client_preserves_equivalent_content_from_distinct_namespaces() -> None:
         assert len(stub.store().read_keys(keys)) == 2
 
 
+@pytest.mark.slow
 def test_client_rejects_ambiguous_versions_for_an_unversioned_id() -> None:
     """client_rejects_ambiguous_versions_for_an_unversioned_id: three versions of record 1 for a
     read of id 1 are refused."""
@@ -7002,6 +7022,7 @@ def test_client_ignores_namespace_less_remote_keys() -> None:
     assert store.read_keys([Key(1, 1)]) == ()  # type: ignore[list-item]
 
 
+@pytest.mark.slow
 def test_client_rejects_ambiguous_versions_in_list_responses() -> None:
     """client_rejects_ambiguous_versions_in_list_responses: two versions of one record in a list
     are refused."""
