@@ -16,8 +16,10 @@ previews, secrets, bounds and storage, "Reliability: what is tested" for the fuz
 model check.
 
 Profiles: `ci` (derandomized, no deadline) is loaded when the CI environment variable is set;
-`dev` is a ten times longer local run: `HYPOTHESIS_PROFILE=dev pytest test_properties.py`
-(`--hypothesis-profile=dev` cannot work: the profile is registered here, not in a conftest).
+`dev` is a ten times longer local run: `HYPOTHESIS_PROFILE=dev pytest test_properties.py`, and
+`quick`, a tenth of the examples, is the quick loop's (`HYPOTHESIS_PROFILE=quick`, README →
+Development); `--hypothesis-profile=dev` cannot work: the profiles are registered here, not in a
+conftest.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", max_examples=1000, deadline=None)
+# The quick loop's profile (README → Development): a tenth of the examples, for everyday work.
+settings.register_profile("quick", max_examples=10, deadline=None)
 if "CI" in os.environ:
     settings.load_profile("ci")
 elif "HYPOTHESIS_PROFILE" in os.environ:
@@ -169,6 +173,7 @@ SECRETS = (
 @example(text="a" * 63 + "é-tail", max_bytes=64)
 @example(text="x" * 62 + "日本", max_bytes=64)
 @example(text="😀", max_bytes=3)
+@pytest.mark.slow
 def test_preview_is_the_longest_utf8_prefix_within_the_budget(text: str, max_bytes: int) -> None:
     """preview() is valid UTF-8, fits the byte budget, is a prefix, and cannot be longer."""
     result = preview(text, max_bytes)
@@ -398,6 +403,7 @@ _ODD_ROW = st.sampled_from(["token = abc123", "use sk-abcdefghijklmnop here", b"
     ),
     cached_terms=st.sampled_from([1, 3, 8192]),
 )
+@pytest.mark.slow
 def test_a_corpus_kept_up_to_date_ranks_like_a_fresh_one(
     steps: list[tuple[dict[int, object], str]], cached_terms: int
 ) -> None:
@@ -505,6 +511,7 @@ SECRET_PIECES = st.sampled_from(
 
 @settings(max_examples=500, deadline=None)
 @given(pieces=st.lists(SECRET_PIECES | st.text(max_size=12), max_size=12))
+@pytest.mark.slow
 def test_secret_prefilters_never_change_the_verdict(pieces: list[str]) -> None:
     """The literal pre-filters only skip work: every rule, run unfiltered, agrees."""
     content = "".join(pieces)
@@ -526,6 +533,7 @@ def credential_url_word_by_word(text: str) -> bool:
 
 @settings(max_examples=500, deadline=None)
 @given(pieces=st.lists(SECRET_PIECES | st.sampled_from(["a://b", "/", "@", "#"]), max_size=12))
+@pytest.mark.slow
 def test_credential_url_search_agrees_with_the_word_split(pieces: list[str]) -> None:
     content = "".join(pieces)
     assert tactmem._credential_url(content) == credential_url_word_by_word(content)
@@ -556,6 +564,7 @@ def test_line_rules_find_what_margins_across_lines_would(pieces: list[str]) -> N
 
 @settings(max_examples=300, deadline=None)
 @given(texts=st.lists(st.lists(SECRET_PIECES | st.text(max_size=8), max_size=6).map("".join)))
+@pytest.mark.slow
 def test_secret_rows_of_a_corpus_are_its_secret_texts(texts: list[str]) -> None:
     """Looking for literals among the corpus's terms first finds every text `find_secret`
     names, and no other."""
@@ -588,6 +597,7 @@ LITERAL_PIECES = st.sampled_from(sorted({row[0] for row in every_literal()}))
         max_size=14,
     )
 )
+@pytest.mark.slow
 def test_literal_trees_never_change_the_verdict(pieces: list[str]) -> None:
     """Texts built from every rule's literals, anchors and token runs: the literal trees, the
     token gate and the lowercase-instead-of-IGNORECASE patterns skip work, never a verdict,
@@ -608,6 +618,7 @@ SHAPES = [
 @pytest.mark.parametrize(("shape", "token"), SHAPES, ids=[shape[0] for shape, _ in SHAPES])
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
+@pytest.mark.slow
 def test_every_shape_match_passes_its_prefilters(
     shape: tuple[str, tuple[str, ...], bool, str, int, str | None], token: bool, data: st.DataObject
 ) -> None:
@@ -1538,6 +1549,7 @@ def _link(local: tuple[int, int, str], team: tuple[int, int, str]) -> Any:
     _records(False), _records(True), _links, _links, st.none() | st.integers(7, 9), st.booleans(),
     _NOW,
 )  # fmt: skip
+@pytest.mark.slow
 def test_a_push_never_rewrites_a_key_nor_touches_what_it_has_not_seen(
     local: list[Record], remote: list[Record], links: list[Any], pending: list[Any],
     next_id: int | None, force: bool, now_ms: int,
@@ -1774,6 +1786,7 @@ TOOL_REQUESTS = st.one_of(
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(requests=st.lists(TOOL_REQUESTS, min_size=1, max_size=8), root=st.booleans())
+@pytest.mark.slow
 def test_hostile_tool_calls_never_raise(requests: list[Any], root: bool) -> None:
     """Nothing raises, every answer is valid output, and the store's invariants hold after.
     Most requests are well formed, so put, read, replace, delete and the bounds are reached."""
@@ -1842,6 +1855,7 @@ def test_team_tool_requests_are_checked_or_refused_never_raise(request: Any) -> 
     event(f"parsed {parsed.operation}")
 
 
+@pytest.mark.slow
 def test_hostile_tool_strategy_reaches_every_operation() -> None:
     """The strategy above is not vacuous: its well-formed share succeeds at every operation."""
     seen: Counter[str] = Counter()
@@ -1905,6 +1919,7 @@ def parsed(parser: argparse.ArgumentParser, argv: list[str]) -> object:
 @example(["--db", "scan", "list"])
 @example(["--json", "--config", "put", "--db=x", "scan", "--limit", "2", "q"])
 @example(["--d", "scan", "list"])
+@pytest.mark.slow
 def test_the_parser_of_the_named_command_alone_parses_as_the_whole_one(argv: list[str]) -> None:
     """A one-shot command builds only its own subparser (issue 16): every argument list
     parses, or fails, exactly as with all of them."""
@@ -1919,6 +1934,7 @@ def test_the_parser_of_the_named_command_alone_parses_as_the_whole_one(argv: lis
         lambda p: ["--db", "db", *p[0], *p[1]]
     )
 )
+@pytest.mark.slow
 def test_main_never_raises_for_any_argv(argv: list[str]) -> None:
     """Any argument list: an exit status, never an exception; the store stays within bounds."""
     with fast_tmp() as directory:

@@ -37,6 +37,7 @@ import time
 import tomllib
 import types
 import unicodedata
+import unittest.mock
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -428,6 +429,7 @@ def detect_secrets_finds(texts: Sequence[str], directory: Path) -> list[bool]:
 
 
 @pytest.mark.parametrize("name", sorted(path.name for path in INDEPENDENT.iterdir()))
+@pytest.mark.slow
 def test_independent_set_against_detect_secrets(name: str, tmp_path: Path) -> None:
     """Issue 12's differential test: tactmem refuses more of the credentials than
     detect-secrets finds, no ordinary memory, and a benign look-alike only under one of the
@@ -880,6 +882,7 @@ def test_a_damaged_side_cache_is_ignored(db: Path, damage: bytes) -> None:
 
 
 @pytest.mark.parametrize("torn", [b"", b'["abc", fal'])  # parsed at once, or line by line
+@pytest.mark.slow
 def test_a_side_cache_nested_too_deep_is_ignored(db: Path, torn: bytes) -> None:
     """JSON nested deeper than Python's recursion limit is a RecursionError, not a ValueError:
     it must not leave a scan, nor the command line, as anything but an ignored cache."""
@@ -964,6 +967,7 @@ def test_side_cache_that_is_not_a_file_or_cannot_be_written(db: Path) -> None:
     assert (db.parent / (db.name + "-cache")).is_dir()
 
 
+@pytest.mark.slow
 def test_side_cache_stays_bounded_by_the_live_texts(db: Path) -> None:
     with Store(db) as store:
         record = store.put("release 0", now_ms=0)
@@ -1111,6 +1115,7 @@ def test_stats_warns_when_others_can_read(
 
 
 @pytest.mark.parametrize("device", ["/dev/null", "/dev/zero", "fifo"])
+@pytest.mark.slow
 def test_a_device_or_fifo_as_the_database_is_refused_before_sqlite_opens_it(
     tmp_path: Path, device: str
 ) -> None:
@@ -1784,6 +1789,7 @@ CHECK_PUT = (
         (CHECK_PUT, "    _ = _INSERT\n", "_INSERT"),
     ],
 )  # fmt: skip
+@pytest.mark.slow
 def test_the_purity_check_finds_io_in_a_doctored_copy(
     anchor: str, doctored: str, caught: str
 ) -> None:
@@ -2003,6 +2009,7 @@ def test_cli_put_from_stdin(
      (b"two lines\n\n", "two lines\n"), (b"no newline", "no newline"),
      (b"a" * 1025 + b"\n", None), (b"a" * 1023 + b"\n\n", "a" * 1023 + "\n")],
 )  # fmt: skip
+@pytest.mark.slow
 def test_put_from_stdin_drops_the_newline_echo_adds(
     db: Path, stdin: bytes, stored: str | None
 ) -> None:
@@ -2276,6 +2283,7 @@ def test_cli_help_and_version_return_zero(capsys: pytest.CaptureFixture[str]) ->
     assert status == 0 and "demo" in out
 
 
+@pytest.mark.slow
 def test_cli_survives_a_closed_pipe_and_a_narrow_encoding(db: Path) -> None:
     with Store(db) as store:
         for i in range(240):
@@ -2579,6 +2587,7 @@ def test_a_failed_first_use_leaves_the_file_system_as_it_was(tmp_path: Path, fai
     assert tree(tmp_path) == ["new", "new/deeper", "new/deeper/v1.sqlite3"]
 
 
+@pytest.mark.slow
 def test_a_store_waiting_for_the_lock_of_a_file_taken_away_opens_the_new_one(db: Path) -> None:
     """A failed first use takes its file away under the write lock (`_unmake`); a store that
     opened the file meanwhile and waits for that lock then writes to the file at the path,
@@ -2599,6 +2608,7 @@ def test_a_store_waiting_for_the_lock_of_a_file_taken_away_opens_the_new_one(db:
     assert [record.content for record in Store(db).list()] == ["after it went"]
 
 
+@pytest.mark.slow
 def test_a_failed_command_leaves_the_file_system_as_it_was(tmp_path: Path) -> None:
     """The same through the command line: a refused restore or import, a put refused as a
     secret, and a `--db` no file can have each print one line and leave nothing behind."""
@@ -2910,6 +2920,7 @@ def test_a_database_the_v1_original_wrote_exports_intact(db: Path, tmp_path: Pat
     assert rows_of(restored) == rows_of(db)
 
 
+@pytest.mark.slow
 def test_cli_export_import_restore_in_subprocesses(tmp_path: Path) -> None:
     source, file = tmp_path / "source.sqlite3", tmp_path / "backup.jsonl"
     with used_store(source, wall_clock_ms()) as store:
@@ -2956,6 +2967,7 @@ def test_cli_export_import_restore_in_subprocesses(tmp_path: Path) -> None:
     assert done.stdout == b"imported 0 records, skipped 3 already held\n"
 
 
+@pytest.mark.slow
 def test_cli_refusals_are_one_line_without_content(tmp_path: Path) -> None:
     db, file = tmp_path / "m.sqlite3", tmp_path / "backup.jsonl"
     used_store(tmp_path / "source.sqlite3", wall_clock_ms()).close()
@@ -3015,6 +3027,7 @@ print(json.dumps(sorted(seen) if mode == "reader" else log))
 """
 
 
+@pytest.mark.slow
 def test_an_import_is_atomic_with_respect_to_concurrent_writers(tmp_path: Path) -> None:
     source, file, db = (
         tmp_path / "source.sqlite3",
@@ -3456,6 +3469,7 @@ def test_mappings_that_are_not_dicts_work_like_dicts() -> None:
         assert tool.call(put)["memory"]["key"] == {"id": 1, "version": 1}
 
 
+@pytest.mark.slow
 def test_nul_in_content_is_refused_on_every_backend(tmp_path: Path) -> None:
     """Issue 17: PostgreSQL text cannot hold a NUL character, so no backend stores one: the
     local store refuses it as the server does (it used to store it), before any I/O, and
@@ -3876,6 +3890,7 @@ def test_agent_commands_refuse_a_config_without_memory(
 
 
 @pytest.mark.parametrize("child", [False, True])
+@pytest.mark.slow
 def test_mcp_with_memory_off_starts_and_says_why(tmp_path: Path, child: bool) -> None:
     """Issue 14: with the README's `mcpServers` snippet and memory off (the default), a host
     used to show only "Connection closed". Now the server starts, and its instructions, its
@@ -3915,6 +3930,7 @@ def test_mcp_with_memory_off_starts_and_says_why(tmp_path: Path, child: bool) ->
     ["[memory]\nenabeld = true\n", "[memory\n", None],
     ids=["unknown key", "not TOML", "missing"],
 )
+@pytest.mark.slow
 def test_mcp_with_a_broken_config_starts_and_says_why(tmp_path: Path, text: str | None) -> None:
     """A config `tactmem mcp` cannot read is served like memory off: the host sees the error
     instead of "Connection closed", and stdout (the JSON-RPC channel) carries nothing else."""
@@ -4030,6 +4046,7 @@ def peak_memory_kib(argv: Sequence[str], stdin: Any) -> tuple[int, bytes, int]:
     return status, done.stderr, peak
 
 
+@pytest.mark.slow
 def test_put_from_stdin_reads_at_most_the_bound(tmp_path: Path) -> None:
     """Issue 13: `put -` reads the content bound plus one byte, then refuses: 50 MB on stdin,
     or /dev/zero without end, costs no more memory than a short put."""
@@ -4050,6 +4067,7 @@ def test_put_from_stdin_reads_at_most_the_bound(tmp_path: Path) -> None:
     assert [r.content for r in Store(db).list()] == ["a short conclusion from stdin"]
 
 
+@pytest.mark.slow
 def test_a_50_mb_put_through_the_tool_costs_no_memory(tmp_path: Path) -> None:
     """Issue 13's measurement: a 50 MB put content on `tactmem tool` took 2.1 GB before it was
     refused. Now the line is refused in bounded pieces: the child's peak memory stays within
@@ -4071,6 +4089,7 @@ def test_a_50_mb_put_through_the_tool_costs_no_memory(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("argv", [["list"], ["tool"], ["scan", "rust"]])
+@pytest.mark.slow
 def test_a_closed_standard_output_is_one_line(db: Path, argv: list[str]) -> None:
     command = " ".join(
         [sys.executable, "-m", "tactmem", "--db", shlex.quote(str(db)), *argv, ">&-"]
@@ -4135,6 +4154,7 @@ def test_tool_command_child_refuses_mutation(tmp_path: Path) -> None:
     assert (after.key, after.content) == (before[0].key, before[0].content)
 
 
+@pytest.mark.slow
 def test_environment_chooses_the_store(tmp_path: Path) -> None:
     first, second = tmp_path / "first", tmp_path / "second"
     first_config = write_config(first, "[memory]\nenabled = true\n")
@@ -4176,6 +4196,7 @@ def test_mcp_sdk_is_imported_only_by_the_mcp_command(
     assert err == "tactmem: tactmem mcp needs the MCP SDK: pip install 'tactmem[mcp]'\n"
 
 
+@pytest.mark.slow
 def test_mcp_server_over_stdio_with_the_sdk_client(tmp_path: Path) -> None:
     from mcp import Client
     from mcp.client.stdio import StdioServerParameters
@@ -4302,6 +4323,7 @@ def strict_problems(schema: Any, where: str = "$") -> Iterator[str]:
 
 @pytest.mark.parametrize("team", [False, True])
 @pytest.mark.parametrize("root", [True, False])
+@pytest.mark.slow
 def test_the_strict_schema_is_what_strict_mode_accepts(root: bool, team: bool) -> None:
     """Issue 14: `strict=True` passes the strict rules and the openai-agents SDK's own strict
     checker (which would rewrite a schema that is not strict already), means the same as the
@@ -4925,6 +4947,7 @@ def test_the_browser_keeps_ids_in_sight_whatever_the_namespace_length() -> None:
     assert local.splitlines()[:3] == [" Memory #3", " Memory metadata", " ID: 3"]
 
 
+@pytest.mark.slow
 def test_browse_inside_a_workspace_root_shows_team_memory(team: TeamServer, tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
@@ -4945,6 +4968,7 @@ def test_browse_inside_a_workspace_root_shows_team_memory(team: TeamServer, tmp_
     assert not Path(memory_db_path(config)).exists()  # and no local store made
 
 
+@pytest.mark.slow
 def test_browse_esc_clears_the_filter_in_a_real_terminal(db: Path) -> None:
     with Store(db) as store:
         store.put("In the ledgerline repository, releases are tagged by CI.")
@@ -4973,6 +4997,7 @@ def telemetry(path: Path) -> list[tuple[int, ...]]:
         ).fetchall()
 
 
+@pytest.mark.slow
 def test_browse_end_to_end_filter_sort_detail_delete(db: Path) -> None:
     with Store(db) as store:
         store.put("In the ledgerline repository, releases are tagged by CI.")
@@ -5008,6 +5033,7 @@ def test_browse_end_to_end_filter_sort_detail_delete(db: Path) -> None:
     assert telemetry(db) == before[1:]
 
 
+@pytest.mark.slow
 def test_browse_conflicting_delete_reloads_and_keeps_the_newer_value(db: Path) -> None:
     with Store(db) as store:
         first = store.put("Deploys go out on Tuesdays.")
@@ -5030,6 +5056,7 @@ def test_browse_conflicting_delete_reloads_and_keeps_the_newer_value(db: Path) -
     assert (record.key, record.content) == (Key(1, 2), "Deploys go out on Thursdays.")
 
 
+@pytest.mark.slow
 def test_browse_held_keys_and_alt_keys_do_not_act(db: Path) -> None:
     with Store(db) as store:
         for i in range(5):
@@ -5059,6 +5086,7 @@ def test_browse_held_keys_and_alt_keys_do_not_act(db: Path) -> None:
     assert [r.key.id for r in Store(db).list()] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_browse_in_a_tiny_and_resized_terminal(tmp_path: Path, db: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text("[memory]\nenabled = false\n")
@@ -5113,6 +5141,7 @@ def scenario_file(directory: Path, steps: Sequence[Mapping[str, Any]], name: str
     return str(path)
 
 
+@pytest.mark.slow
 def test_eval_runs_the_shipped_scenarios_and_passes_their_thresholds() -> None:
     """The README's command, from a checkout: every shipped scenario, at the pre-registered
     operating point, meets every threshold and every expectation."""
@@ -5261,6 +5290,7 @@ def test_a_bad_thresholds_file_is_refused(
     assert (status, out) == (2, "") and message in err
 
 
+@pytest.mark.slow
 def test_the_sweep_agrees_with_a_run_at_each_point(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -5690,6 +5720,7 @@ for step in range(100_000):
 """
 
 
+@pytest.mark.slow
 def test_writer_killed_mid_stream_leaves_every_acknowledged_write(db: Path) -> None:
     """A writer is killed with SIGKILL at a random moment, 20 times in a row on one file."""
     import random
@@ -5821,6 +5852,7 @@ BIG_PUT = "one more conclusion " * 50  # needs a new page in a full file
     ],
     ids=["corrupt", "not-sqlite", "newer-schema", "directory", "full-page-budget"],
 )
+@pytest.mark.slow
 def test_faults_are_clear_errors_that_change_nothing(
     db: Path, prepare: Any, commands: list[str], error: type[TactmemError], message: str
 ) -> None:
@@ -5935,6 +5967,7 @@ HOSTILE_FILES = {
 
 
 @pytest.mark.parametrize("prepare", HOSTILE_FILES.values(), ids=HOSTILE_FILES.keys())
+@pytest.mark.slow
 def test_a_file_with_objects_tactmem_did_not_create_is_refused_untouched(
     db: Path, prepare: Callable[[Path], None]
 ) -> None:
@@ -6063,6 +6096,7 @@ def malformed_rows(db: Path) -> None:
             connection.execute(statement)
 
 
+@pytest.mark.slow
 def test_rows_of_the_wrong_type_are_hidden_never_a_traceback(db: Path) -> None:
     """Issue 13: every command and the tool hide malformed rows like secret-shaped ones; a
     replace of one is a conflict (its version is no integer an agent could name) or mends a
@@ -6213,6 +6247,7 @@ def test_a_full_disk_is_not_the_page_budget() -> None:
             assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
 
+@pytest.mark.slow
 def test_read_only_directory_is_a_clear_error() -> None:
     with read_only_directory() as (directory, seal):
         existing = directory / "existing.sqlite3"
@@ -6404,6 +6439,7 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_remote_store_round_trip_across_namespaces(team: TeamServer) -> None:
     alice, bob = team.store("alice"), team.store("bob")
     first = alice.put("In ledgerline, releases are tagged by CI, never by hand.")
@@ -6454,6 +6490,7 @@ def test_remote_store_reader_role_and_session(team: TeamServer) -> None:
         assert ALICE_TOKEN not in str(error) and "not-a-known" not in str(error)
 
 
+@pytest.mark.slow
 def test_remote_store_checks_input_before_any_request() -> None:
     nowhere = tactmem.RemoteStore(f"http://127.0.0.1:{free_port()}", "alice", ALICE_TOKEN)
     started = time.monotonic()
@@ -6474,6 +6511,7 @@ def test_remote_store_checks_input_before_any_request() -> None:
         nowhere.scan("releases")  # three attempts, 100 and 250 ms apart
 
 
+@pytest.mark.slow
 def test_remote_store_meets_the_namespace_bounds(team: TeamServer) -> None:
     alice, bob = team.store("alice"), team.store("bob")
     for number in range(256):  # 256 records of 1,024 bytes fill the 262,144 content bytes
@@ -6484,6 +6522,7 @@ def test_remote_store_meets_the_namespace_bounds(team: TeamServer) -> None:
     assert len(alice.list()) == 257
 
 
+@pytest.mark.slow
 def test_memory_tool_over_a_remote_store(team: TeamServer) -> None:
     root, child = (
         MemoryTool(team.store("alice"), root=True),
@@ -6722,6 +6761,7 @@ REFUSED: list[tuple[str, Any, Callable[[tactmem.RemoteStore], object]]] = [
 
 
 @pytest.mark.parametrize(("route", "answer", "call"), REFUSED)
+@pytest.mark.slow
 def test_remote_store_refuses_answers_outside_the_protocol(
     route: str, answer: Any, call: Callable[[tactmem.RemoteStore], object]
 ) -> None:
@@ -6736,6 +6776,7 @@ def test_remote_store_refuses_answers_outside_the_protocol(
         stub.close()
 
 
+@pytest.mark.slow
 def test_remote_store_drops_secret_shaped_and_unsound_records() -> None:
     secret = "deploy with AKIAIOSFODNN7EXAMPLE"
     stub = StubServer({
@@ -6756,6 +6797,7 @@ def test_remote_store_drops_secret_shaped_and_unsound_records() -> None:
         stub.close()
 
 
+@pytest.mark.slow
 def test_remote_store_drops_records_holding_a_nul_as_it_drops_secret_shaped_ones(
     tmp_path: Path,
 ) -> None:
@@ -6790,6 +6832,7 @@ def test_remote_store_drops_records_holding_a_nul_as_it_drops_secret_shaped_ones
         stub.close()
 
 
+@pytest.mark.slow
 def test_remote_store_retries_as_the_original_client() -> None:
     unavailable = (503, {"retry-after": "0"}, {"code": "unavailable"})
     stub = StubServer(
@@ -6814,6 +6857,7 @@ def test_remote_store_retries_as_the_original_client() -> None:
 
 
 @pytest.mark.parametrize("after", ["\u00b2", "1e3", "-1", " 1", "99999999999999999999"])
+@pytest.mark.slow
 def test_remote_store_takes_only_a_plain_retry_after(after: str) -> None:
     """`Retry-After: ²` passes `str.isdigit` but not `float`: it is no number of seconds."""
     stub = StubServer({"session": SESSION, "memories/list": (503, {"retry-after": after},
@@ -6826,6 +6870,7 @@ def test_remote_store_takes_only_a_plain_retry_after(after: str) -> None:
         stub.close()
 
 
+@pytest.mark.slow
 def test_remote_store_times_out() -> None:
     def slow(*_: object) -> tuple[int, dict[str, str], Any]:
         time.sleep(1.5)
@@ -6856,6 +6901,7 @@ ROUTE_CALLS: dict[str, tuple[Any, Callable[[tactmem.RemoteStore], object]]] = {
 
 
 @pytest.mark.parametrize("route", ROUTE_CALLS)
+@pytest.mark.slow
 def test_remote_store_deadline_holds_to_the_last_byte_of_every_route(route: str) -> None:
     """Issue 25: a server sending its headers a byte every quarter second kept the client
     waiting a minute (a socket timeout bounds each receive alone). The request's deadline
@@ -6873,6 +6919,7 @@ def test_remote_store_deadline_holds_to_the_last_byte_of_every_route(route: str)
         stub.close()
 
 
+@pytest.mark.slow
 def test_remote_store_deadline_holds_in_a_slow_body_and_on_a_retry() -> None:
     """A body sent a byte at a time times out as headers do, and so does each attempt of a
     repeated request: the second attempt of a list (after a 503) dribbles and fails alone."""
@@ -6899,6 +6946,7 @@ def test_remote_store_deadline_holds_in_a_slow_body_and_on_a_retry() -> None:
         stub.close()
 
 
+@pytest.mark.slow
 def test_remote_store_deadline_holds_while_the_name_is_looked_up(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -6923,6 +6971,7 @@ def test_remote_store_deadline_holds_while_the_name_is_looked_up(
         released.set()
 
 
+@pytest.mark.slow
 def test_remote_store_verifies_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server whose certificate no trusted authority signed is refused, before any request;
     once the certificate is trusted (`SSL_CERT_FILE`, read by the default context), it works."""
@@ -6996,6 +7045,7 @@ def stubbed(answers: dict[str, Any]) -> Iterator[StubServer]:
         stub.close()
 
 
+@pytest.mark.slow
 def test_client_retries_safe_operations_but_does_not_replay_put_responses() -> None:
     """client_retries_safe_operations_but_does_not_replay_put_responses: a list answered 503 once
     is repeated and succeeds; a put answered 503 is sent once and is `unavailable`."""
@@ -7010,6 +7060,7 @@ def test_client_retries_safe_operations_but_does_not_replay_put_responses() -> N
         assert stub.hits["memories/put"] == 1
 
 
+@pytest.mark.slow
 def test_client_carries_bookmarks_across_concurrent_clones() -> None:
     """client_carries_bookmarks_across_concurrent_clones: two lists at once on one store (the
     original's clones share one client) go one after the other, each sending the bookmark the
@@ -7043,6 +7094,7 @@ def test_client_carries_bookmarks_across_concurrent_clones() -> None:
         assert sent == [None, "bookmark-1", "bookmark-2"]
 
 
+@pytest.mark.slow
 def test_client_preserves_empty_content_and_exhausted_rate_limit_errors() -> None:
     """client_preserves_empty_content_and_exhausted_rate_limit_errors: a blank put is
     `EmptyContent` without a request (the original's client points at port 1); a list that is
@@ -7056,6 +7108,7 @@ def test_client_preserves_empty_content_and_exhausted_rate_limit_errors() -> Non
         stub.store().list()
 
 
+@pytest.mark.slow
 def test_client_reports_a_missing_versioned_session_route_as_incompatible() -> None:
     """client_reports_a_missing_versioned_session_route_as_incompatible: a server without the
     v1 routes (a bare 404) speaks another protocol."""
@@ -7067,6 +7120,7 @@ def test_client_reports_a_missing_versioned_session_route_as_incompatible() -> N
         stub.close()
 
 
+@pytest.mark.slow
 def test_client_rejects_an_unbounded_list_window() -> None:
     """client_rejects_an_unbounded_list_window: a list of 513 records is refused."""
     memories = [versioned(doc_id, 1, "visible") for doc_id in range(1, 514)]
@@ -7077,6 +7131,7 @@ def test_client_rejects_an_unbounded_list_window() -> None:
         stub.store().list()
 
 
+@pytest.mark.slow
 def test_client_suppresses_unsafe_scan_previews() -> None:
     """client_suppresses_unsafe_scan_previews: a secret-shaped preview is dropped, not shown."""
     with stubbed(
@@ -7085,6 +7140,7 @@ def test_client_suppresses_unsafe_scan_previews() -> None:
         assert stub.store().scan("password", limit=5).candidates == ()
 
 
+@pytest.mark.slow
 def test_client_rejects_oversized_scan_responses() -> None:
     """client_rejects_oversized_scan_responses: two cards for a scan of limit 1 are refused."""
     cards = scan_of(card(1, preview="candidate 1"), card(2, preview="candidate 2"))
@@ -7092,6 +7148,7 @@ def test_client_rejects_oversized_scan_responses() -> None:
         stub.store().scan("candidate", limit=1)
 
 
+@pytest.mark.slow
 def test_client_rejects_ambiguous_versions_in_scan_responses() -> None:
     """client_rejects_ambiguous_versions_in_scan_responses: two versions of one record in one
     scan are refused."""
@@ -7100,6 +7157,7 @@ def test_client_rejects_ambiguous_versions_in_scan_responses() -> None:
         stub.store().scan("version", limit=2)
 
 
+@pytest.mark.slow
 def test_client_rejects_scan_responses_out_of_rank_order() -> None:
     """client_rejects_scan_responses_out_of_rank_order: scores 1.0 then 2.0 are refused."""
     cards = scan_of(*(card(i, float(i), preview=f"candidate {i}") for i in (1, 2)))
@@ -7107,6 +7165,7 @@ def test_client_rejects_scan_responses_out_of_rank_order() -> None:
         stub.store().scan("candidate", limit=2)
 
 
+@pytest.mark.slow
 def test_client_enforces_the_requested_export_page_size() -> None:
     """client_enforces_the_requested_export_page_size: a page with one record more than the
     request's `limit` is refused (the original asks for 1 and gets 2; `export` asks for its
@@ -7122,6 +7181,7 @@ def test_client_enforces_the_requested_export_page_size() -> None:
         assert stub.requests[-1][2]["limit"] == 128
 
 
+@pytest.mark.slow
 def test_client_rejects_sync_reports_that_do_not_match_the_snapshot() -> None:
     """client_rejects_sync_reports_that_do_not_match_the_snapshot: 2 inserted for a snapshot of
     one record is refused."""
@@ -7134,6 +7194,7 @@ def test_client_rejects_sync_reports_that_do_not_match_the_snapshot() -> None:
         stub.store().sync([snapshot])
 
 
+@pytest.mark.slow
 def test_client_rejects_put_responses_unrelated_to_the_request() -> None:
     """client_rejects_put_responses_unrelated_to_the_request: record 2 with other content is no
     answer to an insert, nor to a replace of record 1."""
@@ -7146,6 +7207,7 @@ def test_client_rejects_put_responses_unrelated_to_the_request() -> None:
         assert stub.hits["memories/put"] == 2
 
 
+@pytest.mark.slow
 def test_client_preserves_equivalent_content_from_distinct_namespaces() -> None:
     """client_preserves_equivalent_content_from_distinct_namespaces: the same text in two
     namespaces is two records."""
@@ -7155,6 +7217,7 @@ def test_client_preserves_equivalent_content_from_distinct_namespaces() -> None:
         assert len(stub.store().read_keys(keys)) == 2
 
 
+@pytest.mark.slow
 def test_client_rejects_ambiguous_versions_for_an_unversioned_id() -> None:
     """client_rejects_ambiguous_versions_for_an_unversioned_id: three versions of record 1 for a
     read of id 1 are refused."""
@@ -7173,6 +7236,7 @@ def test_client_ignores_namespace_less_remote_keys() -> None:
     assert store.read_keys([Key(1, 1)]) == ()  # type: ignore[list-item]
 
 
+@pytest.mark.slow
 def test_client_rejects_ambiguous_versions_in_list_responses() -> None:
     """client_rejects_ambiguous_versions_in_list_responses: two versions of one record in a list
     are refused."""
@@ -7202,6 +7266,7 @@ def cursors_sent(stub: StubServer) -> list[Any]:
     return [body["cursor"] for route, _, body in stub.requests if route == "memories/export"]
 
 
+@pytest.mark.slow
 def test_export_page_enforces_namespace_and_exact_cursor() -> None:
     """export_page_enforces_namespace_and_exact_cursor: a page of the selected namespace whose
     cursor is its last key is taken (the next page is asked after it); a record of another
@@ -7220,6 +7285,7 @@ def test_export_page_enforces_namespace_and_exact_cursor() -> None:
         stub.store().export(["alpha"])
 
 
+@pytest.mark.slow
 def test_export_page_rejects_duplicate_and_out_of_order_keys() -> None:
     """export_page_rejects_duplicate_and_out_of_order_keys: one key twice in a page is refused,
     and so is a page after the cursor `beta`/2 (2 records, 6 bytes so far) that holds `alpha`/1."""
@@ -7234,6 +7300,7 @@ def test_export_page_rejects_duplicate_and_out_of_order_keys() -> None:
         assert cursors_sent(stub) == [None, {"namespace": "beta", "id": 2}]
 
 
+@pytest.mark.slow
 def test_export_page_rejects_multi_cursor_cycles() -> None:
     """export_page_rejects_multi_cursor_cycles: `alpha`/1, then `beta`/1, then `alpha`/1 again
     (a cycle through two cursors) is refused at the third page."""
@@ -7248,6 +7315,7 @@ def test_export_page_rejects_multi_cursor_cycles() -> None:
         ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_export_page_rejects_aggregate_limits_before_accumulation() -> None:
     """export_page_rejects_aggregate_limits_before_accumulation: one record more after 512 is
     refused, and so is one byte more after 262,144 content bytes."""
@@ -7320,47 +7388,71 @@ def run_in(
     )  # fmt: skip
 
 
+def main_in(
+    cwd: Path, config: Path, *argv: str, stdin: bytes = b""
+) -> subprocess.CompletedProcess[str]:
+    """`run_in` without the process: `main` in `cwd`, with `run_in`'s environment and its
+    standard streams as bytes, for tests of what the command does, not of the process."""
+    written, errors = io.BytesIO(), io.BytesIO()
+    out = io.TextIOWrapper(written, encoding="utf-8")
+    err = io.TextIOWrapper(errors, encoding="utf-8")
+    given = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")
+    with (
+        contextlib.chdir(cwd),
+        unittest.mock.patch.dict(os.environ, subprocess_env(), clear=True),
+        unittest.mock.patch.multiple(sys, stdin=given, stdout=out, stderr=err),
+    ):
+        status = tactmem.main(["--config", str(config), *argv])
+    out.flush()
+    err.flush()
+    return subprocess.CompletedProcess(
+        list(argv), status, written.getvalue().decode(), errors.getvalue().decode()
+    )
+
+
+@pytest.mark.slow
 def test_cli_uses_team_memory_inside_a_workspace_root(team: TeamServer, tmp_path: Path) -> None:
     work, elsewhere = tmp_path / "work" / "repo", tmp_path / "elsewhere"
     work.mkdir(parents=True)
     elsewhere.mkdir()
     config = team_config(tmp_path, team.url, ["work"])
     local_db = Path(memory_db_path(config))
-    done = run_in(work, config, "put", "In ledgerline, CI tags the releases.")
+    done = main_in(work, config, "put", "In ledgerline, CI tags the releases.")
     assert (done.returncode, done.stdout, done.stderr) == (0, "stored alice#1 v1\n", "")
     assert not local_db.exists()  # it went to the team server
-    assert run_in(work, config, "list").stdout.startswith("alice#1 v1 · updated")
-    again = run_in(work, config, "put", "--replace", "1@1", "In ledgerline, CI tags each release.")
+    assert main_in(work, config, "list").stdout.startswith("alice#1 v1 · updated")
+    again = main_in(work, config, "put", "--replace", "1@1", "In ledgerline, CI tags each release.")
     assert again.stdout == "replaced alice#1 v2\n"
-    scratch = run_in(work, config, "put", "Scratch: removed by the next command.").stdout
+    scratch = main_in(work, config, "put", "Scratch: removed by the next command.").stdout
     assert scratch == "stored alice#2 v1\n"
-    assert run_in(work, config, "delete", "2@1").stdout == "deleted alice#2\n"
-    assert run_in(work, config, "scan", "ledgerline").stdout.startswith("alice#1 v2  ")
-    browse = run_in(work, config, "browse")  # the team's records, but it needs a terminal
+    assert main_in(work, config, "delete", "2@1").stdout == "deleted alice#2\n"
+    assert main_in(work, config, "scan", "ledgerline").stdout.startswith("alice#1 v2  ")
+    browse = main_in(work, config, "browse")  # the team's records, but it needs a terminal
     assert browse.returncode == 1 and "browse needs a terminal" in browse.stderr
-    listed = json.loads(run_in(work, config, "--json", "list").stdout)
+    listed = json.loads(main_in(work, config, "--json", "list").stdout)
     assert listed["memories"][0]["key"] == {"id": 1, "version": 2, "namespace": "alice"}
     assert [r.content for r in team.store("bob").list()] == ["In ledgerline, CI tags each release."]
-    outside = run_in(elsewhere, config, "put", "A local conclusion, kept on this machine.")
+    outside = main_in(elsewhere, config, "put", "A local conclusion, kept on this machine.")
     assert outside.returncode == 0 and local_db.exists()
     assert len(team.store("bob").list()) == 1
-    tool = run_in(
+    tool = main_in(
         work, config, "tool", stdin=json_lines({"operation": "scan", "query": "ledgerline"})
     )
     assert json.loads(tool.stdout)["candidates"][0]["key"]["namespace"] == "alice"
     with Store(local_db) as local:
         kept = local.list()
     team.stop()  # unreachable: an error, never the local store instead
-    failed = run_in(work, config, "scan", "ledgerline")
+    failed = main_in(work, config, "scan", "ledgerline")
     assert failed.returncode == 1 and "could not be reached" in failed.stderr
     assert "Traceback" not in failed.stderr and ALICE_TOKEN not in failed.stderr
-    answer = json.loads(run_in(work, config, "--json", "scan", "local conclusion").stdout)
+    answer = json.loads(main_in(work, config, "--json", "scan", "local conclusion").stdout)
     assert answer["error"]["code"] == "remote_unavailable"
-    assert run_in(work, config, "put", "Not stored anywhere.").returncode == 1
+    assert main_in(work, config, "put", "Not stored anywhere.").returncode == 1
     with Store(local_db) as local:
         assert local.list() == kept  # not a scan's, not a put's telemetry: untouched
 
 
+@pytest.mark.slow
 def test_mcp_inside_a_workspace_root_serves_team_memory(team: TeamServer, tmp_path: Path) -> None:
     from mcp import Client
     from mcp.client.stdio import StdioServerParameters
@@ -7398,6 +7490,7 @@ def test_mcp_inside_a_workspace_root_serves_team_memory(team: TeamServer, tmp_pa
     assert not Path(memory_db_path(config)).exists()  # nothing went to a local store
 
 
+@pytest.mark.slow
 def test_the_team_tool_reads_by_the_keys_scan_returned(team: TeamServer) -> None:
     """In team memory cards come from several namespaces whose ids overlap, so the tool's
     `read` takes the keys scan gave (as the original's tool does); a key may name its
@@ -7460,6 +7553,7 @@ def test_the_team_tool_reads_by_the_keys_scan_returned(team: TeamServer) -> None
         MemoryTool(Store(":memory:"), root=True, team=True)
 
 
+@pytest.mark.slow
 def test_cli_takes_the_keys_scan_prints_inside_a_workspace_root(
     team: TeamServer, tmp_path: Path
 ) -> None:
@@ -7471,14 +7565,14 @@ def test_cli_takes_the_keys_scan_prints_inside_a_workspace_root(
     work.mkdir()
     config = team_config(tmp_path, team.url, ["work"])
     team.store("bob").put("Bob: the release train leaves on Thursdays.")
-    assert run_in(work, config, "put", "Alice: deploys wait for the release train.").stdout == (
+    assert main_in(work, config, "put", "Alice: deploys wait for the release train.").stdout == (
         "stored alice#1 v1\n"
     )
-    scan = run_in(work, config, "scan", "release train").stdout.splitlines()
+    scan = main_in(work, config, "scan", "release train").stdout.splitlines()
     assert sorted(line.split("  ")[0] for line in scan) == ["alice#1 v1", "bob#1 v1"]
 
     def read(*names: str) -> list[str]:
-        done = run_in(work, config, "read", *names)
+        done = main_in(work, config, "read", *names)
         assert done.returncode == 0 and done.stderr == "", done.stderr
         return [line.split(" ")[0] for line in done.stdout.splitlines() if "#" in line]
 
@@ -7486,35 +7580,36 @@ def test_cli_takes_the_keys_scan_prints_inside_a_workspace_root(
     assert read("bob#1@1") == ["bob#1"]
     assert read("1", "bob#1@1") == ["alice#1", "bob#1"]  # in the order named
     assert read("bob#1@1", "alice#1", "1") == ["bob#1", "alice#1"]
-    own = run_in(work, config, "read", "1").stdout
+    own = main_in(work, config, "read", "1").stdout
     assert "Alice: deploys wait" in own and "Bob" not in own
-    shown = run_in(work, config, "read", "bob#1@1").stdout
+    shown = main_in(work, config, "read", "bob#1@1").stdout
     assert "Bob: the release train leaves on Thursdays." in shown
-    as_json = json.loads(run_in(work, config, "--json", "read", "bob#1@1").stdout)
+    as_json = json.loads(main_in(work, config, "--json", "read", "bob#1@1").stdout)
     assert as_json["memories"][0]["key"] == {"id": 1, "version": 1, "namespace": "bob"}
-    stale = run_in(work, config, "read", "bob#1@2")
+    stale = main_in(work, config, "read", "bob#1@2")
     assert (stale.returncode, stale.stdout) == (3, "no such memory\n")
-    unversioned = run_in(work, config, "read", "bob#1")
+    unversioned = main_in(work, config, "read", "bob#1")
     assert unversioned.returncode == 2 and "NS#ID@VERSION" in unversioned.stderr
     for argv in (("put", "Bob's, rewritten.", "--replace", "bob#1@1"), ("delete", "bob#1@1")):
-        denied = run_in(work, config, *argv)
+        denied = main_in(work, config, *argv)
         assert (denied.returncode, denied.stdout) == (1, "")
         assert denied.stderr == "tactmem: remote memory changes only its own namespace's records\n"
-        code = json.loads(run_in(work, config, "--json", *argv).stdout)["error"]["code"]
+        code = json.loads(main_in(work, config, "--json", *argv).stdout)["error"]["code"]
         assert code == "remote_denied"
-    replaced = run_in(
+    replaced = main_in(
         work, config, "put", "Alice: deploys follow the train.", "--replace", "alice#1@1"
     )
     assert replaced.stdout == "replaced alice#1 v2\n"
-    assert run_in(work, config, "delete", "alice#1@2").stdout == "deleted alice#1\n"
+    assert main_in(work, config, "delete", "alice#1@2").stdout == "deleted alice#1\n"
     assert [r.content for r in team.store("bob").list()] == [
         "Bob: the release train leaves on Thursdays."
     ]
     for command in ("read", "put", "delete"):
-        help_text = " ".join(run_in(work, config, command, "--help").stdout.split())
+        help_text = " ".join(main_in(work, config, command, "--help").stdout.split())
         assert "a bare ID always names your own namespace's record" in help_text
 
 
+@pytest.mark.slow
 def test_cli_refuses_another_namespaces_key_before_any_request(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7559,6 +7654,7 @@ def test_cli_team_keys_outside_a_workspace_root_are_a_usage_error(
     assert not db.exists() and not db.parent.exists()
 
 
+@pytest.mark.slow
 def test_a_dribbling_server_never_holds_the_command_line(tmp_path: Path) -> None:
     """Issue 25: behind a server that sends its headers a byte every quarter second, `tactmem
     scan` waited 65 s and a `tactmem tool` scan never answered. Each now fails within its
@@ -7799,6 +7895,7 @@ def test_push_plan_refuses_two_records_of_one_conclusion_and_the_bounds() -> Non
         plan_push(many, [])
 
 
+@pytest.mark.slow
 def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
     """`push` plans against what the server holds (README, "The push rule"): a record this
     store has never seen is kept, new local records get ids the namespace never used, and a
@@ -7811,7 +7908,7 @@ def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
         first = local.put("In ledgerline, CI tags the releases.")
         local.put("The user prefers small, reviewable commits.")
     team.store("alice").put("A server-only row this store has not seen.")
-    dry = run_in(elsewhere, config, "push", "--dry-run")
+    dry = main_in(elsewhere, config, "push", "--dry-run")
     kept = (
         "  kept      alice#1, not seen by this store (`tactmem pull` fetches, `push --force`"
         " deletes)\n"
@@ -7824,7 +7921,7 @@ def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
         "The namespace would then hold 3 memories (121 content bytes).\n"  # 42 + 36 + 43 bytes
     )
     assert [r.key.id for r in team.store("bob").list()] == [1]  # a dry run sends nothing
-    pushed = run_in(elsewhere, config, "push")
+    pushed = main_in(elsewhere, config, "push")
     assert pushed.stdout == (
         "Pushed 2 memories to namespace `alice`: 2 inserted, 0 replaced, 1 unchanged, 0 deleted.\n"
         + kept
@@ -7834,7 +7931,7 @@ def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
         (2, first.content),
         (3, "The user prefers small, reviewable commits."),
     ]
-    again = json.loads(run_in(elsewhere, config, "--json", "push").stdout)
+    again = json.loads(main_in(elsewhere, config, "--json", "push").stdout)
     plan = {"inserted": [], "replaced": [], "deleted": [], "conflicts": [], "unseen": [1],
             "gone": [], "foreign": 0, "hidden": 0}  # fmt: skip
     assert again == {"pushed": 2, "namespace": "alice", "inserted": 0, "replaced": 0,
@@ -7846,21 +7943,22 @@ def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
     pull_config = team_config(other, team.url, ["work"])
     with Store(memory_db_path(pull_config)) as theirs:
         theirs.put("the user prefers SMALL, reviewable commits.")  # held: skipped
-    pulled = run_in(elsewhere, pull_config, "pull", "--all")
+    pulled = main_in(elsewhere, pull_config, "pull", "--all")
     assert pulled.stdout == "Pulled all namespaces: 4 fetched, 3 inserted, 1 skipped.\n"
     with Store(memory_db_path(pull_config)) as theirs:
         records = theirs.list()
     assert [r.key for r in records] == [Key(1, 1), Key(2, 1), Key(3, 1), Key(4, 1)]  # fresh ids
     assert all(r.probation_until_ms is not None and r.use_count == 0 for r in records)
-    some = run_in(elsewhere, pull_config, "pull", "--namespace", "bob")
+    some = main_in(elsewhere, pull_config, "pull", "--namespace", "bob")
     assert some.stdout == "Pulled namespaces `bob`: 1 fetched, 0 inserted, 1 skipped.\n"
     for argv in (("pull",), ("pull", "--all", "--namespace", "bob")):
-        usage = run_in(elsewhere, pull_config, *argv)
+        usage = main_in(elsewhere, pull_config, *argv)
         assert usage.returncode == 2 and "exactly one" in usage.stderr
-    bad = run_in(elsewhere, pull_config, "pull", "--namespace", "no spaces")
+    bad = main_in(elsewhere, pull_config, "pull", "--namespace", "no spaces")
     assert bad.returncode == 1 and "namespace" in bad.stderr
 
 
+@pytest.mark.slow
 def test_push_reconciles_local_writes_that_race_the_snapshot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7907,6 +8005,7 @@ def exporting(*records: Any, headers: dict[str, str] | None = None) -> Any:
     return (200, headers or {}, {"memories": list(records), "next_cursor": None})
 
 
+@pytest.mark.slow
 def test_push_to_a_server_without_a_guard_warns_when_its_counts_show_a_race(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7929,6 +8028,7 @@ def test_push_to_a_server_without_a_guard_warns_when_its_counts_show_a_race(
         stub.close()
 
 
+@pytest.mark.slow
 def test_push_refuses_to_delete_what_the_server_does_not_show(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7960,6 +8060,7 @@ def test_push_refuses_to_delete_what_the_server_does_not_show(
 @pytest.mark.parametrize(
     "facts", [("5", "0", "1"), ("x", "1", "1"), ("5", "1", "-1"), ("5", "1"), ("1e3", "1", "1")]
 )
+@pytest.mark.slow
 def test_push_refuses_namespace_facts_out_of_shape(
     facts: tuple[str, ...], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7974,6 +8075,7 @@ def test_push_refuses_namespace_facts_out_of_shape(
         stub.close()
 
 
+@pytest.mark.slow
 def test_push_says_a_namespace_with_no_id_left_is_full_not_its_content(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -7993,6 +8095,7 @@ def test_push_says_a_namespace_with_no_id_left_is_full_not_its_content(
         stub.close()
 
 
+@pytest.mark.slow
 def test_a_forced_dry_run_says_what_force_does_to_hidden_rows(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -8011,6 +8114,7 @@ def test_a_forced_dry_run_says_what_force_does_to_hidden_rows(
         stub.close()
 
 
+@pytest.mark.slow
 def test_the_team_links_file_is_checked_and_shared(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -8087,15 +8191,16 @@ def test_a_pull_killed_before_its_bookkeeping_is_found_by_the_next_push(tmp_path
     assert mine.key.id == 1
 
 
+@pytest.mark.slow
 def test_push_needs_a_writer_and_a_configured_remote(team: TeamServer, tmp_path: Path) -> None:
     (tmp_path / "work").mkdir()
     config = team_config(tmp_path, team.url, ["work"], namespace="reader",
                          bearer_token=READER_TOKEN)  # fmt: skip
-    denied = run_in(tmp_path, config, "push")
+    denied = main_in(tmp_path, config, "push")
     assert denied.returncode == 1 and "read-only" in denied.stderr
     plain = tmp_path / "plain.toml"
     plain.write_text("[memory]\nenabled = true\n")
-    missing = run_in(tmp_path, plain, "pull", "--all")
+    missing = main_in(tmp_path, plain, "pull", "--all")
     assert missing.returncode == 1 and "not configured" in missing.stderr
 
 
@@ -8391,6 +8496,7 @@ def test_openai_responses_strict_snippet(
     assert stored["memory"]["key"] == {"id": 2, "version": 1} and stored["replaced"] is False
 
 
+@pytest.mark.slow
 def test_anthropic_messages_snippet(
     tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
 ) -> None:
@@ -8569,6 +8675,7 @@ def test_every_python_block_in_the_readme_runs(
     assert namespace["review"].prompt("next")[1].endswith(MEMORY_REVIEW_CHECKPOINT)
 
 
+@pytest.mark.slow
 def test_readme_mcp_servers_snippet_with_the_sdk_client(tmp_path: Path) -> None:
     """The README's `mcpServers` entries as a host runs them (`tactmem` as `python -m
     tactmem`, the same command), on a config that enables memory: the `memory` server offers

@@ -352,6 +352,7 @@ def key_of(record: dict[str, Any]) -> tuple[str, int, int]:
 # ============================================================================ the original's cases
 
 
+@pytest.mark.slow
 def test_authentication_namespace_and_role_are_enforced(client: Client) -> None:
     assert_error(client.call("/v1/session", method="GET", token=""), 401, "unauthorized")
     assert_error(
@@ -400,6 +401,7 @@ def test_bearer_and_namespace_headers(client: Client) -> None:
             assert answer[1] == error(code), authorization
 
 
+@pytest.mark.slow
 def test_scan_read_and_list_return_only_caller_visible_records(client: Client) -> None:
     alice = client.put("alice private indexing note")
     bob = client.put("bob visible concurrent sqlite note", namespace="bob")
@@ -418,6 +420,7 @@ def test_scan_read_and_list_return_only_caller_visible_records(client: Client) -
     assert client.ok("/v1/memories/read", {"keys": [local]}, namespace="reader")["memories"] == []
 
 
+@pytest.mark.slow
 def test_put_replace_and_delete_are_server_authored(client: Client) -> None:
     inserted = client.put("initial server-authored note")
     assert inserted["key"] == {"id": 1, "version": 1, "namespace": "alice"}
@@ -431,6 +434,7 @@ def test_put_replace_and_delete_are_server_authored(client: Client) -> None:
     assert client.put("a later note")["key"]["id"] == 2
 
 
+@pytest.mark.slow
 def test_foreign_keys_cannot_be_mutated(client: Client) -> None:
     alice = client.put("alice owns this note")
     local = {"id": alice["key"]["id"], "version": alice["key"]["version"]}
@@ -444,6 +448,7 @@ def test_foreign_keys_cannot_be_mutated(client: Client) -> None:
     assert [key_of(r) for r in client.export()] == [("alice", 1, 1), ("bob", 1, 1)]
 
 
+@pytest.mark.slow
 def test_concurrent_puts_allocate_distinct_monotonic_ids(client: Client) -> None:
     assert client.put("initialize concurrent database")["key"]["id"] == 1
     with ThreadPoolExecutor(16) as pool:
@@ -453,6 +458,7 @@ def test_concurrent_puts_allocate_distinct_monotonic_ids(client: Client) -> None
     assert sorted(ids) == list(range(2, 18))
 
 
+@pytest.mark.slow
 def test_sync_replaces_the_callers_complete_snapshot(client: Client) -> None:
     first = [
         snapshot_record(10, 1, "first snapshot note"),
@@ -512,6 +518,7 @@ SYNC_REFUSALS = [
 ]
 
 
+@pytest.mark.slow
 def test_sync_refusals_change_nothing(client: Client) -> None:
     kept = client.put("kept through every refused sync")
     for memories, status, code in SYNC_REFUSALS:
@@ -519,6 +526,7 @@ def test_sync_refusals_change_nothing(client: Client) -> None:
         assert client.export(["alice"]) == [kept]
 
 
+@pytest.mark.slow
 def test_the_last_ids_are_refused_not_a_wedged_namespace(client: Client) -> None:
     """The allocator records the id after each one it hands out, and that must fit in 64 bits:
     the highest id a namespace holds is 2^63 - 2. A put with no id left is the original's
@@ -542,6 +550,7 @@ def test_the_last_ids_are_refused_not_a_wedged_namespace(client: Client) -> None
 NS = {"namespace": "alice"}
 
 
+@pytest.mark.slow
 def test_counters_at_their_limit_saturate_or_are_refused(client: Client) -> None:
     """Every count and version the server writes is a 64-bit SQL integer on both backends: at
     2^63 - 1 a scan or read count stays there (SQLite would make it REAL, PostgreSQL fail),
@@ -566,6 +575,7 @@ def test_counters_at_their_limit_saturate_or_are_refused(client: Client) -> None
     assert exported[3]["key"]["version"] == top and exported[3]["content"] == snapshot[2]["content"]
 
 
+@pytest.mark.slow
 def test_export_paginates_all_or_selected_without_deduplication(client: Client) -> None:
     client.put("same normalized content")
     client.put("alice second export note")
@@ -587,6 +597,7 @@ def test_export_paginates_all_or_selected_without_deduplication(client: Client) 
     assert selected["next_cursor"] is None
 
 
+@pytest.mark.slow
 def test_export_orders_ids_as_numbers(client: Client) -> None:
     for n in range(12):
         client.put(f"numbered note {n}")
@@ -594,6 +605,7 @@ def test_export_orders_ids_as_numbers(client: Client) -> None:
     assert ids == list(range(1, 13))  # not 1, 10, 11, 12, 2, ... as text would order them
 
 
+@pytest.mark.slow
 def test_body_and_request_bounds_are_content_free_client_errors(client: Client) -> None:
     too_long = {"query": "q" * 513, "limit": 1}
     assert_error(client.call("/v1/memories/scan", too_long), 413, "query_too_large")
@@ -648,12 +660,14 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.slow
 def test_malformed_requests_are_bad_requests(client: Client) -> None:
     for path, raw, headers in MALFORMED:
         assert client.call(path, raw=raw, headers=headers) == (400, error("bad_request")), raw
     assert client.export() == []
 
 
+@pytest.mark.slow
 def test_versions_and_missing_rows(client: Client) -> None:
     record = client.put("versioned note")
     stale = {**record["key"], "version": 2}
@@ -679,6 +693,7 @@ def test_versions_and_missing_rows(client: Client) -> None:
     assert other["key"]["id"] == 2
 
 
+@pytest.mark.slow
 def test_unknown_routes_and_wrong_methods_have_empty_bodies(client: Client) -> None:
     assert client.call("/v1/memories/unknown", {}) == (404, b"")
     assert client.call("/v2/session", method="GET") == (404, b"")
@@ -687,6 +702,7 @@ def test_unknown_routes_and_wrong_methods_have_empty_bodies(client: Client) -> N
     assert client.call("/v1/session/", method="GET") == (404, b"")  # no redirect
 
 
+@pytest.mark.slow
 def test_list_ignores_its_body(client: Client) -> None:
     client.put("listed whatever the body")
     for raw in (b"null", b"not json", b"x" * (3 * 1024 * 1024)):
@@ -696,6 +712,7 @@ def test_list_ignores_its_body(client: Client) -> None:
         )
 
 
+@pytest.mark.slow
 def test_record_and_content_capacity_per_namespace(client: Client) -> None:
     full = [snapshot_record(n, 1, f"{n:04}" + "z" * 1020) for n in range(1, 257)]
     assert client.ok("/v1/memories/sync", {"memories": full})["inserted"] == 256
@@ -714,6 +731,7 @@ def test_record_and_content_capacity_per_namespace(client: Client) -> None:
     assert len(client.export(["alice"])) == 256 and len(client.export(["bob"])) == 512
 
 
+@pytest.mark.slow
 def test_telemetry_of_scan_read_and_replace(client: Client) -> None:
     record = client.put("telemetry gotcha in the ledgerline repository")
     assert record["probation_until_ms"] == record["updated_at_ms"] + 604_800_000
@@ -738,6 +756,7 @@ def test_telemetry_of_scan_read_and_replace(client: Client) -> None:
     assert replaced["created_at_ms"] == record["created_at_ms"]
 
 
+@pytest.mark.slow
 def test_expired_probation_is_pruned_in_every_namespace(client: Client) -> None:
     expired = snapshot_record(1, 1, "expired unread note")
     expired["probation_until_ms"] = 1
@@ -747,6 +766,7 @@ def test_expired_probation_is_pruned_in_every_namespace(client: Client) -> None:
     assert [key_of(r) for r in listed] == [("bob", 2, 1)]
 
 
+@pytest.mark.slow
 def test_scan_ranks_the_combined_corpus_as_the_core_does(client: Client) -> None:
     documents = {
         ("bob", 1): "deploy with make release from the main branch",
@@ -794,6 +814,7 @@ def health(client: Client) -> dict[str, Any]:
     return answer
 
 
+@pytest.mark.slow
 def test_in_flight_limit_queues_requests_beyond_64(
     backend: list[str], start: Callable[..., Server]
 ) -> None:
@@ -818,6 +839,7 @@ def test_in_flight_limit_queues_requests_beyond_64(
     assert health(client) == {"status": "ok", "in_flight": 0, "waiting": 0}
 
 
+@pytest.mark.slow
 def test_store_timeout_answers_unavailable_and_writes_nothing(
     backend: list[str], start: Callable[..., Server]
 ) -> None:
@@ -919,6 +941,7 @@ def answered_at_once(client: Client) -> None:
     assert client.call("/v1/session", method="GET", timeout=10)[0] == 200
 
 
+@pytest.mark.slow
 def test_slow_bodies_hold_no_place_and_are_cut_off(
     tmp_path: pathlib.Path, credentials: str
 ) -> None:
@@ -942,6 +965,7 @@ def test_slow_bodies_hold_no_place_and_are_cut_off(
     assert cut and {(e["status"], e["error_code"]) for e in cut} == {(400, "bad_request")}
 
 
+@pytest.mark.slow
 def test_slow_heads_and_idle_connections_cannot_stop_a_fresh_request(
     tmp_path: pathlib.Path, credentials: str
 ) -> None:
@@ -970,6 +994,7 @@ def test_slow_heads_and_idle_connections_cannot_stop_a_fresh_request(
     assert all(line.startswith("{") for line in server.lines)  # never out of files
 
 
+@pytest.mark.slow
 def test_logs_are_structured_and_hold_no_token_or_content(start: Callable[..., Server]) -> None:
     server = start()
     client = server.client
@@ -996,6 +1021,7 @@ def test_logs_are_structured_and_hold_no_token_or_content(start: Callable[..., S
         assert leak not in text
 
 
+@pytest.mark.slow
 def test_an_internal_error_logs_its_type_and_never_its_message(
     backend: list[str], start: Callable[..., Server]
 ) -> None:
@@ -1021,6 +1047,7 @@ def test_an_internal_error_logs_its_type_and_never_its_message(
         assert leak not in text
 
 
+@pytest.mark.slow
 def test_a_body_cut_short_is_a_logged_bad_request_not_a_traceback(
     start: Callable[..., Server],
 ) -> None:
@@ -1043,6 +1070,7 @@ def test_a_body_cut_short_is_a_logged_bad_request_not_a_traceback(
     assert "zebracorn" not in "".join(server.lines)
 
 
+@pytest.mark.slow
 def test_uvicorns_own_records_are_json_lines_too(start: Callable[..., Server]) -> None:
     """A request that is not HTTP makes uvicorn log a warning: it is a JSON line like the
     others, the fixed message only, never what the peer sent."""
@@ -1062,6 +1090,7 @@ def test_uvicorns_own_records_are_json_lines_too(start: Callable[..., Server]) -
     assert "zebracorn" not in "".join(server.lines)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_hostile_rows_are_hidden_not_a_500(
     backend: list[str], start: Callable[..., Server]
 ) -> None:
@@ -1118,6 +1147,7 @@ def test_hostile_rows_are_hidden_not_a_500(
     assert_error(answer, 507, "content_capacity")
 
 
+@pytest.mark.slow
 def test_scan_offers_only_what_read_returns(
     backend: list[str], start: Callable[..., Server]
 ) -> None:
@@ -1155,6 +1185,7 @@ def test_scan_offers_only_what_read_returns(
     assert [card["key"] for card in scan["candidates"]] == [shown["key"]]
 
 
+@pytest.mark.slow
 def test_what_is_gone_leaves_no_copy_in_the_sqlite_files(
     tmp_path: pathlib.Path, credentials: str
 ) -> None:
@@ -1188,6 +1219,7 @@ def test_what_is_gone_leaves_no_copy_in_the_sqlite_files(
         server.stop()
 
 
+@pytest.mark.slow
 def test_graceful_shutdown_finishes_requests_in_flight(
     backend: list[str], start: Callable[..., Server]
 ) -> None:
@@ -1259,6 +1291,7 @@ BAD_OPTIONS = [
 
 
 @pytest.mark.parametrize(("option", "value"), BAD_OPTIONS)
+@pytest.mark.slow
 def test_bad_options_are_one_line_usage_errors(
     tmp_path: pathlib.Path, credentials: str, option: str, value: str
 ) -> None:
@@ -1334,6 +1367,7 @@ def _start_refused(arguments: list[str | bytes], saying: str = "") -> str | None
     return None if saying in stderr else f"{arguments}: {stderr!r}"
 
 
+@pytest.mark.slow
 def test_every_start_up_input_is_one_line_and_exit_2(
     tmp_path: pathlib.Path, credentials: str
 ) -> None:
@@ -1373,6 +1407,7 @@ def _events(server: Server) -> list[dict[str, Any]]:
     return [json.loads(line) for line in server.lines]
 
 
+@pytest.mark.slow
 def test_listening_beyond_loopback_warns_that_tokens_travel_in_clear(
     tmp_path: pathlib.Path, credentials: str
 ) -> None:
@@ -1396,6 +1431,7 @@ def test_listening_beyond_loopback_warns_that_tokens_travel_in_clear(
     assert [e["event"] for e in _events(loopback)] == ["listening", "operation", "stopped"]
 
 
+@pytest.mark.slow
 def test_a_tactmem_store_file_is_not_a_team_database(
     tmp_path: pathlib.Path, credentials: str
 ) -> None:
@@ -1477,6 +1513,7 @@ def _refused_untouched(arguments: list[str], watched: Callable[[], object]) -> s
     return failed
 
 
+@pytest.mark.slow
 def test_a_sqlite_file_the_server_did_not_create_is_refused_untouched(
     tmp_path: pathlib.Path, credentials: str
 ) -> None:
@@ -1565,6 +1602,7 @@ def _dump(cluster: Cluster, database: str) -> str:
     return re.sub(r"(?m)^\\(un)?restrict .*$", "", dump)  # a random key each run
 
 
+@pytest.mark.slow
 def test_a_postgres_database_the_server_did_not_create_is_refused_untouched(
     cluster: Cluster, credentials: str
 ) -> None:
@@ -1604,6 +1642,7 @@ def test_a_postgres_database_the_server_did_not_create_is_refused_untouched(
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_trigger_planted_under_a_running_server_loses_nothing(
     backend: list[str], start: Callable[..., Server]
 ) -> None:
@@ -1636,6 +1675,7 @@ def test_a_trigger_planted_under_a_running_server_loses_nothing(
 # ============================================================================ several processes
 
 
+@pytest.mark.slow
 def test_several_servers_keep_bounds_ids_and_versions(start: Callable[..., Server]) -> None:
     """Three server processes on one database, sixteen clients racing puts to the row bound,
     then compare-and-swap replaces and deletes on the same records."""
@@ -1738,6 +1778,7 @@ def test_racing_writers_never_break_the_content_bound(start: Callable[..., Serve
     assert [r["key"]["id"] for r in stored] == list(range(1, 257))
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_write_leaves_nothing_partial(start: Callable[..., Server]) -> None:
     """SIGKILL a server while it applies 512-record snapshots and puts; the survivor sees each
     namespace as one whole snapshot (or one whole put), never a part."""
@@ -1858,6 +1899,7 @@ def test_token_statistics_are_refreshed_only_for_changed_namespaces(
     store.close()
 
 
+@pytest.mark.slow
 def test_the_server_reconnects_after_postgresql_restarts(
     cluster: Cluster, credentials: str
 ) -> None:
@@ -1978,6 +2020,7 @@ def mcp_calls(url: str, token: str, calls: list[dict[str, Any]]) -> tuple[Any, l
     return answer
 
 
+@pytest.mark.slow
 def test_mcp_surfaces_follow_the_role(start: Callable[..., Server]) -> None:
     server = start()
     writer, _ = mcp_calls(server.url, ALICE, [])
@@ -2003,6 +2046,7 @@ def test_mcp_surfaces_follow_the_role(start: Callable[..., Server]) -> None:
     assert run_async(lambda: negotiated("auto")) == run_async(lambda: negotiated("legacy"))
 
 
+@pytest.mark.slow
 def test_mcp_scan_put_read_delete_round_trip(start: Callable[..., Server]) -> None:
     server = start()
     bob = server.client.put("bob keeps the release checklist in docs/release.md", "bob")
@@ -2035,6 +2079,7 @@ def test_mcp_scan_put_read_delete_round_trip(start: Callable[..., Server]) -> No
     assert [key_of(r) for r in server.client.export()] == [("bob", 1, 1)]
 
 
+@pytest.mark.slow
 def test_mcp_reads_another_namespaces_card_by_its_key(start: Callable[..., Server]) -> None:
     server = start()
     alice = server.client.put("alice pins the toolchain in rust-toolchain.toml")
@@ -2066,6 +2111,7 @@ def test_mcp_reads_another_namespaces_card_by_its_key(start: Callable[..., Serve
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_mcp_reader_cannot_change_anything(start: Callable[..., Server]) -> None:
     server = start()
     alice = server.client.put("the staging database is rebuilt every night")
@@ -2085,6 +2131,7 @@ def test_mcp_reader_cannot_change_anything(start: Callable[..., Server]) -> None
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_mcp_scan_gate_is_per_session(start: Callable[..., Server]) -> None:
     server = start()
 
@@ -2145,6 +2192,7 @@ def tool_call(call_id: int, **arguments: object) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "id": call_id, "method": "tools/call", "params": params}
 
 
+@pytest.mark.slow
 def test_mcp_needs_a_known_bearer_token(start: Callable[..., Server]) -> None:
     server = start()
     client = server.client
@@ -2170,6 +2218,7 @@ def test_mcp_needs_a_known_bearer_token(start: Callable[..., Server]) -> None:
     assert {e["status"] for e in events if e["event"] == "mcp" and e["namespace"] is None} == {401}
 
 
+@pytest.mark.slow
 def test_mcp_session_stays_with_the_token_that_opened_it(start: Callable[..., Server]) -> None:
     server = start()
     client = server.client
@@ -2196,6 +2245,7 @@ def test_mcp_session_stays_with_the_token_that_opened_it(start: Callable[..., Se
     assert session not in "".join(server.lines)
 
 
+@pytest.mark.slow
 def test_mcp_refuses_the_sessionless_protocol_and_streams(start: Callable[..., Server]) -> None:
     server = start()
     client = server.client
@@ -2214,6 +2264,7 @@ def test_mcp_refuses_the_sessionless_protocol_and_streams(start: Callable[..., S
     assert client.call("/mcp", method="GET", token=ALICE, namespace=None) == (405, b"")
 
 
+@pytest.mark.slow
 def test_mcp_bounds_and_logs(backend: list[str], start: Callable[..., Server]) -> None:
     server = start()
     client = server.client
@@ -2261,6 +2312,7 @@ def test_mcp_bounds_and_logs(backend: list[str], start: Callable[..., Server]) -
         assert leak not in text
 
 
+@pytest.mark.slow
 def test_one_token_cannot_take_every_mcp_session(tmp_path: pathlib.Path, credentials: str) -> None:
     """A token that opens more sessions than its share (64) gets its least recently used ones
     closed to make room (their next request is the 404 of a session gone), and another
@@ -2471,6 +2523,7 @@ TABS = "The user prefers tabs in Makefiles, spaces elsewhere."
 CHECKLIST = "Bob's deploy checklist lives in docs/deploy.md."
 
 
+@pytest.mark.slow
 def test_push_never_rewrites_a_record_it_has_not_seen(
     start: Callable[..., Server], tmp_path: pathlib.Path
 ) -> None:
@@ -2522,6 +2575,7 @@ def test_push_never_rewrites_a_record_it_has_not_seen(
     assert [c["key"]["namespace"] for c in scan["candidates"]] == ["bob"]  # bob's, once
 
 
+@pytest.mark.slow
 def test_a_push_racing_a_workspace_root_put_loses_nothing(
     start: Callable[..., Server], relay_to: Callable[[Server], Relay], tmp_path: pathlib.Path
 ) -> None:
@@ -2549,6 +2603,7 @@ def test_a_push_racing_a_workspace_root_put_loses_nothing(
     }
 
 
+@pytest.mark.slow
 def test_a_push_killed_between_its_sync_and_its_bookkeeping_loses_nothing(
     start: Callable[..., Server], relay_to: Callable[[Server], Relay], tmp_path: pathlib.Path
 ) -> None:
@@ -2688,6 +2743,7 @@ def test_a_record_used_on_the_team_is_not_deleted_when_it_expires_unread_here(
 
 
 @sqlite_only
+@pytest.mark.slow
 def test_a_pulled_record_that_expires_unread_here_is_not_deleted_from_the_team(
     start: Callable[..., Server], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -2706,6 +2762,7 @@ def test_a_pulled_record_that_expires_unread_here_is_not_deleted_from_the_team(
 # ---------------------------------------------------------------- safe pushes: races
 
 
+@pytest.mark.slow
 def test_a_read_on_the_server_during_a_push_is_not_undone(
     start: Callable[..., Server], relay_to: Callable[[Server], Relay], tmp_path: pathlib.Path
 ) -> None:
@@ -2808,6 +2865,7 @@ def test_a_pull_settles_a_record_changed_here_and_on_the_server(
 
 
 @sqlite_only
+@pytest.mark.slow
 def test_a_stale_copy_and_the_teams_new_text_held_here_never_block_every_push(
     start: Callable[..., Server], tmp_path: pathlib.Path
 ) -> None:
@@ -2835,6 +2893,7 @@ def test_a_stale_copy_and_the_teams_new_text_held_here_never_block_every_push(
 
 
 @sqlite_only
+@pytest.mark.slow
 def test_push_force_never_gives_a_version_this_store_saw_other_content(
     start: Callable[..., Server], tmp_path: pathlib.Path
 ) -> None:
@@ -2889,6 +2948,7 @@ def test_a_push_killed_after_its_sync_then_changed_on_the_server_sends_nothing_t
 
 
 @sqlite_only
+@pytest.mark.slow
 def test_a_refusal_after_a_pass_that_landed_does_not_say_nothing_was_changed(
     start: Callable[..., Server], relay_to: Callable[[Server], Relay], tmp_path: pathlib.Path
 ) -> None:
@@ -2940,6 +3000,7 @@ def test_a_store_restored_from_a_backup_deletes_nothing_it_never_held(
 
 
 @sqlite_only
+@pytest.mark.slow
 def test_a_new_store_at_the_same_path_never_replaces_the_old_stores_records(
     start: Callable[..., Server], tmp_path: pathlib.Path
 ) -> None:
