@@ -105,10 +105,13 @@ WHITE_SPACE = (
 )
 _WHITE_SPACE_RUN = re.compile(f"[{re.escape(WHITE_SPACE)}]+")
 
-# ================================================================================ strategies
+
+# ============================================================ strategies
+
 
 # Plenty of multi-byte characters (2, 3 and 4 UTF-8 bytes) so byte budgets split code points.
 _multibyte_text = st.text(alphabet=st.sampled_from("aZ é ß 日本 😀\u0301"), max_size=80)
+
 any_text = st.one_of(st.text(), _multibyte_text)
 
 # ASCII with word characters, separators and case changes concentrated.
@@ -121,10 +124,12 @@ _RANK_WORDS = (
     "rust", "Rust", "sqlite", "SQLite", "httpServer", "http", "server", "parse_request",
     "common", "rare", "数据库", "数据库连接", "café", "x", "the",
 )  # fmt: skip
+
 _rank_text = st.one_of(
     st.lists(st.sampled_from(_RANK_WORDS), max_size=6).map(" ".join),
     st.text(max_size=20),
 )
+
 _rank_docs = st.lists(
     st.tuples(st.integers(min_value=1, max_value=60), _rank_text),
     max_size=9,
@@ -166,34 +171,7 @@ SECRETS = (
 )
 
 
-# ================================================================================ preview
-
-
-@given(text=any_text, max_bytes=st.integers(min_value=0, max_value=100))
-@example(text="a" * 63 + "é-tail", max_bytes=64)
-@example(text="x" * 62 + "日本", max_bytes=64)
-@example(text="😀", max_bytes=3)
-@pytest.mark.slow
-def test_preview_is_the_longest_utf8_prefix_within_the_budget(text: str, max_bytes: int) -> None:
-    """preview() is valid UTF-8, fits the byte budget, is a prefix, and cannot be longer."""
-    result = preview(text, max_bytes)
-    size = len(result.encode("utf-8"))  # strict: raises if a lone surrogate came back
-    assert size <= max_bytes
-    assert text.startswith(result)
-    if len(text.encode("utf-8")) <= max_bytes:
-        assert result == text
-    else:
-        # The next character would break the budget, so no longer prefix fits.
-        assert len(text[: len(result) + 1].encode("utf-8")) > max_bytes
-
-
-@given(text=any_text)
-def test_preview_defaults_to_64_bytes(text: str) -> None:
-    """Without a budget, preview() uses the reference's 64 bytes."""
-    assert preview(text) == preview(text, 64)
-
-
-# ================================================================================ tokenize
+# ============================================================ tokenizing
 
 
 def _camel_pieces(piece: str) -> list[str]:
@@ -316,122 +294,13 @@ def test_tokenize_case_insensitivity_that_actually_holds(text: str) -> None:
     assert tokenize(without_digits.lower()) == tokenize(without_digits.upper())
 
 
-# ================================================================================ rank
-
-
-def reference_bm25(query: str, docs: Sequence[tuple[int, str]]) -> dict[int, float]:
-    """BM25 of reference §2 (k1 1.2, b 0.75, plus-one idf) over tactmem's own tokenize()."""
-    terms = sorted(set(tokenize(query)))
-    doc_tokens = {doc_id: tokenize(text) for doc_id, text in docs}
-    if not docs or not terms:
-        return {}
-    average = sum(len(tokens) for tokens in doc_tokens.values()) / len(docs)
-    scores: dict[int, float] = {}
-    for doc_id, tokens in doc_tokens.items():
-        score = 0.0
-        for term in terms:
-            tf = tokens.count(term)
-            if tf == 0:
-                continue
-            df = sum(term in other for other in doc_tokens.values())
-            idf = math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))
-            ratio = len(tokens) / average if average else 0.0
-            score += ((idf * tf) * 2.2) / (tf + 1.2 * ((1 - 0.75) + 0.75 * ratio))
-        if score > 0.0:
-            scores[doc_id] = score
-    return scores
-
-
-@given(query=_rank_text, docs=_rank_docs, limit=st.integers(min_value=0, max_value=12))
-def test_rank_orders_matching_docs_best_first(
-    query: str, docs: list[tuple[int, str]], limit: int
-) -> None:
-    """At most `limit` results; each shares a query term, scores > 0, best first, ties by id."""
-    ranked = rank(query, docs, limit=limit)
-    assert len(ranked) <= limit
-    query_terms = set(tokenize(query))
-    texts = dict(docs)
-    assert len({doc_id for doc_id, _ in ranked}) == len(ranked)
-    for doc_id, score in ranked:
-        assert query_terms & set(tokenize(texts[doc_id]))
-        assert score > 0.0
-    for (first_id, first_score), (second_id, second_score) in itertools.pairwise(ranked):
-        assert first_score > second_score or (first_score == second_score and first_id < second_id)
-
-
-@given(query=_rank_text, docs=_rank_docs, data=st.data())
-def test_rank_ignores_document_order(
-    query: str, docs: list[tuple[int, str]], data: st.DataObject
-) -> None:
-    """Shuffling the documents changes nothing, not even a float's last bit."""
-    shuffled = data.draw(st.permutations(docs), label="shuffled")
-    assert rank(query, shuffled, limit=len(docs)) == rank(query, docs, limit=len(docs))
-
-
-@given(query=_rank_text, docs=_rank_docs, limit=st.integers(min_value=0, max_value=12))
-def test_rank_is_complete_bm25_and_truncates_to_a_prefix(
-    query: str, docs: list[tuple[int, str]], limit: int
-) -> None:
-    """With room for all, rank() returns every doc sharing a term with the reference's BM25
-    score; a smaller limit returns a prefix of that list."""
-    everything = rank(query, docs, limit=len(docs))
-    expected = reference_bm25(query, docs)
-    assert {doc_id for doc_id, _ in everything} == set(expected)
-    for doc_id, score in everything:
-        assert math.isclose(score, expected[doc_id], rel_tol=1e-12)
-    assert rank(query, docs, limit=limit) == everything[:limit]
-
-
-@given(query=_rank_text, docs=_rank_docs)
-def test_rank_treats_the_query_as_a_set_of_terms(query: str, docs: list[tuple[int, str]]) -> None:
-    """Repeating the query (or any term in it) changes no score."""
-    assert rank(query + " " + query, docs, limit=len(docs)) == rank(query, docs, limit=len(docs))
-
-
-# Rows as another writer may leave them: secret-shaped text, or no text at all.
-_ODD_ROW = st.sampled_from(["token = abc123", "use sk-abcdefghijklmnop here", b"rust", 7, None])
-
-
-@given(
-    steps=st.lists(
-        st.tuples(
-            st.dictionaries(st.integers(min_value=1, max_value=6), _rank_text | _ODD_ROW),
-            _rank_text,
-        ),
-        min_size=1,
-        max_size=8,
-    ),
-    cached_terms=st.sampled_from([1, 3, 8192]),
-)
-@pytest.mark.slow
-def test_a_corpus_kept_up_to_date_ranks_like_a_fresh_one(
-    steps: list[tuple[dict[int, object], str]], cached_terms: int
-) -> None:
-    """Postings and weights kept across updates (rows added, rewritten under the same version,
-    removed, turned secret-shaped or non-text and back), and dropped when too many terms were
-    asked about, never drift: after every update a rank equals, bit for bit, a fresh corpus's
-    over the visible rows as they now are."""
-    corpus = tactmem._Corpus()
-    with unittest.mock.patch.object(tactmem, "_CACHED_TERMS", cached_terms):
-        for docs, query in steps:
-            corpus.update([(doc_id, 1, content) for doc_id, content in docs.items()])
-            visible = {
-                doc_id: text
-                for doc_id, text in docs.items()
-                if isinstance(text, str) and find_secret(text) is None
-            }
-            for words in (query, "rust sqlite", "token sk"):  # queried terms keep postings
-                fresh = rank(words, visible.items(), limit=len(docs))
-                assert corpus.rank(tactmem._query_terms(words), len(docs)) == fresh
-            assert corpus.contents == visible
-
-
-# ================================================================================ identity
+# ============================================================ secrets and identity
 
 
 _words = st.text(
     alphabet=st.characters(exclude_categories=("Cs", "Zs", "Zl", "Zp", "Cc")), min_size=1
 )
+
 _separators = st.text(alphabet=st.sampled_from(WHITE_SPACE), min_size=1, max_size=4)
 
 
@@ -472,9 +341,6 @@ def test_normalized_identity_ignores_case(text: str) -> None:
     identity = normalized_identity(ascii_text)
     assert normalized_identity(ascii_text.upper()) == identity
     assert normalized_identity(ascii_text.swapcase()) == identity
-
-
-# ================================================================================ secrets
 
 
 @given(
@@ -663,7 +529,141 @@ def test_ascii_lower_lowers_ascii_letters_only(text: str) -> None:
         assert after == (before.lower() if "A" <= before <= "Z" else before)
 
 
-# ================================================================================ bounds
+# ============================================================ ranking
+
+
+@given(text=any_text, max_bytes=st.integers(min_value=0, max_value=100))
+@example(text="a" * 63 + "é-tail", max_bytes=64)
+@example(text="x" * 62 + "日本", max_bytes=64)
+@example(text="😀", max_bytes=3)
+@pytest.mark.slow
+def test_preview_is_the_longest_utf8_prefix_within_the_budget(text: str, max_bytes: int) -> None:
+    """preview() is valid UTF-8, fits the byte budget, is a prefix, and cannot be longer."""
+    result = preview(text, max_bytes)
+    size = len(result.encode("utf-8"))  # strict: raises if a lone surrogate came back
+    assert size <= max_bytes
+    assert text.startswith(result)
+    if len(text.encode("utf-8")) <= max_bytes:
+        assert result == text
+    else:
+        # The next character would break the budget, so no longer prefix fits.
+        assert len(text[: len(result) + 1].encode("utf-8")) > max_bytes
+
+
+@given(text=any_text)
+def test_preview_defaults_to_64_bytes(text: str) -> None:
+    """Without a budget, preview() uses the reference's 64 bytes."""
+    assert preview(text) == preview(text, 64)
+
+
+def reference_bm25(query: str, docs: Sequence[tuple[int, str]]) -> dict[int, float]:
+    """BM25 of reference §2 (k1 1.2, b 0.75, plus-one idf) over tactmem's own tokenize()."""
+    terms = sorted(set(tokenize(query)))
+    doc_tokens = {doc_id: tokenize(text) for doc_id, text in docs}
+    if not docs or not terms:
+        return {}
+    average = sum(len(tokens) for tokens in doc_tokens.values()) / len(docs)
+    scores: dict[int, float] = {}
+    for doc_id, tokens in doc_tokens.items():
+        score = 0.0
+        for term in terms:
+            tf = tokens.count(term)
+            if tf == 0:
+                continue
+            df = sum(term in other for other in doc_tokens.values())
+            idf = math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))
+            ratio = len(tokens) / average if average else 0.0
+            score += ((idf * tf) * 2.2) / (tf + 1.2 * ((1 - 0.75) + 0.75 * ratio))
+        if score > 0.0:
+            scores[doc_id] = score
+    return scores
+
+
+@given(query=_rank_text, docs=_rank_docs, limit=st.integers(min_value=0, max_value=12))
+def test_rank_orders_matching_docs_best_first(
+    query: str, docs: list[tuple[int, str]], limit: int
+) -> None:
+    """At most `limit` results; each shares a query term, scores > 0, best first, ties by id."""
+    ranked = rank(query, docs, limit=limit)
+    assert len(ranked) <= limit
+    query_terms = set(tokenize(query))
+    texts = dict(docs)
+    assert len({doc_id for doc_id, _ in ranked}) == len(ranked)
+    for doc_id, score in ranked:
+        assert query_terms & set(tokenize(texts[doc_id]))
+        assert score > 0.0
+    for (first_id, first_score), (second_id, second_score) in itertools.pairwise(ranked):
+        assert first_score > second_score or (first_score == second_score and first_id < second_id)
+
+
+@given(query=_rank_text, docs=_rank_docs, data=st.data())
+def test_rank_ignores_document_order(
+    query: str, docs: list[tuple[int, str]], data: st.DataObject
+) -> None:
+    """Shuffling the documents changes nothing, not even a float's last bit."""
+    shuffled = data.draw(st.permutations(docs), label="shuffled")
+    assert rank(query, shuffled, limit=len(docs)) == rank(query, docs, limit=len(docs))
+
+
+@given(query=_rank_text, docs=_rank_docs, limit=st.integers(min_value=0, max_value=12))
+def test_rank_is_complete_bm25_and_truncates_to_a_prefix(
+    query: str, docs: list[tuple[int, str]], limit: int
+) -> None:
+    """With room for all, rank() returns every doc sharing a term with the reference's BM25
+    score; a smaller limit returns a prefix of that list."""
+    everything = rank(query, docs, limit=len(docs))
+    expected = reference_bm25(query, docs)
+    assert {doc_id for doc_id, _ in everything} == set(expected)
+    for doc_id, score in everything:
+        assert math.isclose(score, expected[doc_id], rel_tol=1e-12)
+    assert rank(query, docs, limit=limit) == everything[:limit]
+
+
+@given(query=_rank_text, docs=_rank_docs)
+def test_rank_treats_the_query_as_a_set_of_terms(query: str, docs: list[tuple[int, str]]) -> None:
+    """Repeating the query (or any term in it) changes no score."""
+    assert rank(query + " " + query, docs, limit=len(docs)) == rank(query, docs, limit=len(docs))
+
+
+# Rows as another writer may leave them: secret-shaped text, or no text at all.
+_ODD_ROW = st.sampled_from(["token = abc123", "use sk-abcdefghijklmnop here", b"rust", 7, None])
+
+
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.dictionaries(st.integers(min_value=1, max_value=6), _rank_text | _ODD_ROW),
+            _rank_text,
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    cached_terms=st.sampled_from([1, 3, 8192]),
+)
+@pytest.mark.slow
+def test_a_corpus_kept_up_to_date_ranks_like_a_fresh_one(
+    steps: list[tuple[dict[int, object], str]], cached_terms: int
+) -> None:
+    """Postings and weights kept across updates (rows added, rewritten under the same version,
+    removed, turned secret-shaped or non-text and back), and dropped when too many terms were
+    asked about, never drift: after every update a rank equals, bit for bit, a fresh corpus's
+    over the visible rows as they now are."""
+    corpus = tactmem._Corpus()
+    with unittest.mock.patch.object(tactmem, "_CACHED_TERMS", cached_terms):
+        for docs, query in steps:
+            corpus.update([(doc_id, 1, content) for doc_id, content in docs.items()])
+            visible = {
+                doc_id: text
+                for doc_id, text in docs.items()
+                if isinstance(text, str) and find_secret(text) is None
+            }
+            for words in (query, "rust sqlite", "token sk"):  # queried terms keep postings
+                fresh = rank(words, visible.items(), limit=len(docs))
+                assert corpus.rank(tactmem._query_terms(words), len(docs)) == fresh
+            assert corpus.contents == visible
+
+
+# ============================================================ store rules
 
 
 _small_limits = st.builds(
@@ -671,6 +671,7 @@ _small_limits = st.builds(
     records=st.integers(min_value=1, max_value=8),
     total_content_bytes=st.integers(min_value=1, max_value=200),
 )
+
 _amounts = st.integers(min_value=0, max_value=300)
 
 
@@ -750,17 +751,8 @@ def test_a_prune_removes_exactly_the_rows_expired_names(
         connection.close()
 
 
-# ================================================================================ store vs model
+# ============================================================ the storage boundary
 
-TINY = Limits(
-    content_bytes=48,
-    records=4,
-    total_content_bytes=120,
-    scan_results=2,
-    query_bytes=32,
-    probation_ms=10,
-)
-START_MS = 1000
 
 # A small vocabulary with few distinct terms (case variants tokenize alike): duplicates (by case
 # and spacing) are common, and most rows share a term, so scans often hit more rows than allowed.
@@ -768,14 +760,6 @@ _STORE_WORDS = (
     "rust", "Rust", "RUST", "sqlite", "SQLite", "parse_request", "httpServer", "数据库",
     "数据库连接", "café", "x",
 )  # fmt: skip
-_STORE_SEPARATORS = st.sampled_from([" ", " ", " ", "  ", "\n", "\t", "\xa0", "\u3000"])
-_STORE_SECRETS = (
-    "password=w",
-    "token=abcdefghijklmnop",
-    "sk-1234567890123456",
-    "rust Bearer abcdefghijk1234",
-    "https://user:pw@host/x",
-)
 
 
 @st.composite
@@ -805,8 +789,6 @@ def edge_contents(draw: st.DrawFn) -> str:
     return word + " " + "y" * max(0, target - utf8_size(word) - 1)
 
 
-agents = st.sampled_from([0, 1])  # which of the two stores on the file does the operation
-
 _store_queries = st.one_of(
     st.lists(st.sampled_from(_STORE_WORDS), min_size=1, max_size=2).map(" ".join),
     st.lists(st.sampled_from(_STORE_WORDS), min_size=1, max_size=2).map(" ".join),
@@ -816,6 +798,321 @@ _store_queries = st.one_of(
         ["", "no-overlap", "w", "rust sqlite 数据库 x", "sqlite " * 5, "é" * 17, "z" * 32]
     ),
 )
+
+
+# `Backend` is the whole contract between the hosts and a store. `DictBackend` keeps its rows in
+# a dict and takes every rule from the core, as a second backend must; the tool over it must
+# answer exactly as the tool over a SQLite `Store`.
+
+
+@attrs.define
+class DictBackend:
+    """An in-memory `Backend`: each operation computes new rows and keeps them only when it
+    succeeds, so it is all-or-nothing like a transaction."""
+
+    limits: Limits
+    rows: dict[int, tuple[Record, str]] = attrs.Factory(dict)  # id -> (record, identity)
+    next_id: int = 1
+    corpus: Any = attrs.Factory(tactmem._Corpus)
+
+    def pruned(self, now_ms: int) -> dict[int, tuple[Record, str]]:
+        return {
+            doc_id: (record, identity)
+            for doc_id, (record, identity) in self.rows.items()
+            if not tactmem._expired(record.use_count, record.probation_until_ms, now_ms)
+        }
+
+    def scan(
+        self, query: str, *, limit: int = 5, min_coverage: float = 0.0, now_ms: int | None = None
+    ) -> ScanResult:
+        terms, now = tactmem._scan_terms(query, self.limits), tactmem._now_ms(now_ms)
+        floor = tactmem._check_min_coverage(min_coverage)
+        rows = self.pruned(now)
+        self.corpus.update([(i, r.key.version, r.content) for i, (r, _) in rows.items()])
+        plan = tactmem._plan_scan(self.corpus, terms, limit, self.limits, floor)
+        for doc_id in plan.scanned:
+            record, identity = rows[doc_id]
+            scanned = attrs.evolve(record, last_scanned_at_ms=now, scan_count=record.scan_count + 1)
+            rows[doc_id] = (scanned, identity)
+        self.rows = rows
+        return plan.result
+
+    def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
+        wanted, now = tactmem._read_ids(ids, self.limits), tactmem._now_ms(now_ms)
+        rows = self.pruned(now)
+        records = tactmem._plan_read(wanted, (rows[i][0] for i in wanted if i in rows), now)
+        rows.update((record.key.id, (record, rows[record.key.id][1])) for record in records)
+        self.rows = rows
+        return records
+
+    def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
+        put = tactmem._check_put(content, replace, self.limits, tactmem._now_ms(now_ms))
+        rows = self.pruned(put.now_ms)
+        target = rows.get(replace.id) if replace is not None else None
+        state = tactmem._PutState(
+            rows=len(rows),
+            content_bytes=sum(utf8_size(record.content) for record, _ in rows.values()),
+            next_id=self.next_id,
+            duplicate_of=next((i for i, (_, same) in rows.items() if same == put.identity), None),
+            target_version=None if target is None else target[0].key.version,
+            target_bytes=0 if target is None else utf8_size(target[0].content),
+            target_created_at_ms=0 if target is None else target[0].created_at_ms,
+        )
+        plan = tactmem._plan_put(put, state, self.limits)
+        rows[plan.record.key.id] = (plan.record, put.identity)
+        self.rows, self.next_id = rows, max(self.next_id, plan.record.key.id + 1)
+        return plan.record
+
+    def delete(self, key: Key, *, now_ms: int | None = None) -> None:
+        current = self.rows.get(key.id)  # delete never prunes
+        tactmem._check_version(key, None if current is None else current[0].key.version)
+        del self.rows[key.id]
+
+    def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]:
+        self.rows = self.pruned(tactmem._now_ms(now_ms))
+        return tuple(
+            record for _, (record, _) in sorted(self.rows.items()) if tactmem._shown(record)
+        )
+
+
+# The backends to hold to `Store`'s answers: add yours (a class or factory taking `Limits`).
+BACKENDS: list[Callable[[Limits], tactmem.Backend]] = [DictBackend]
+
+_CALLS = st.one_of(
+    st.builds(lambda query, limit: {"operation": "scan", "query": query, "limit": limit},
+              _store_queries.filter(str.strip), st.sampled_from([1, 2, 2, 3])),
+    st.builds(lambda ids: {"operation": "read", "ids": ids},
+              st.lists(st.integers(1, 7), max_size=4)),
+    st.builds(lambda content: {"operation": "put", "content": content},  # often: bounds bind
+              word_contents() | word_contents() | edge_contents()),
+    st.builds(lambda content: {"operation": "put", "content": content}, word_contents()),
+    st.builds(lambda content, doc_id, version: {"operation": "put", "content": content,
+                                                "replace": {"id": doc_id, "version": version}},
+              word_contents(), st.integers(1, 7), st.integers(1, 3)),
+    st.builds(lambda doc_id, version: {"operation": "delete", "id": doc_id, "version": version},
+              st.integers(1, 7), st.integers(1, 3)),
+)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(_CALLS, st.sampled_from([0, 0, 0, 1, 4, 10, 11])), min_size=1, max_size=40
+    )
+)
+@example(steps=[({"operation": "put", "content": f"rust {w}"}, 0) for w in "abcde"])  # full
+@example(
+    steps=[
+        ({"operation": "put", "content": "rust one"}, 0),
+        ({"operation": "read", "ids": [1]}, 1),
+        ({"operation": "put", "content": "rust two", "replace": {"id": 1, "version": 1}}, 1),
+        ({"operation": "delete", "id": 1, "version": 1}, 1),
+        ({"operation": "delete", "id": 1, "version": 2}, 1),
+        ({"operation": "put", "content": "rust three"}, 11),
+    ]
+)
+@pytest.mark.parametrize("second_backend", BACKENDS)
+def test_the_tool_answers_alike_over_any_backend(
+    second_backend: Callable[[Limits], tactmem.Backend], steps: list[tuple[dict[str, Any], int]]
+) -> None:
+    """The same calls through `MemoryTool` over a SQLite `Store` and over a second backend get
+    the same answers, and leave the same records (tiny limits: every bound and probation is
+    hit). So the tool needs nothing of a store but `Backend`, and the core's rules are all a
+    second backend has to reuse."""
+    with fast_tmp() as directory, Store(Path(directory) / "m.sqlite3", limits=TINY) as store:
+        tools = [MemoryTool(store, root=True), MemoryTool(second_backend(TINY), root=True)]
+        now = START_MS
+        for call, elapsed_ms in steps:
+            now += elapsed_ms
+            gate = [{"operation": "scan", "query": "rust"}] if call["operation"] == "put" else []
+            for request in [*gate, call]:  # a put follows a scan, as an agent's would
+                sqlite_answer, dict_answer = (tool.call(request, now_ms=now) for tool in tools)
+                assert sqlite_answer == dict_answer, request
+            event("answer: " + sqlite_answer.get("error", {}).get("code", call["operation"]))
+        assert store.list(now_ms=now) == tools[1].store.list(now_ms=now)
+        _, effects = tactmem._browse_step(tactmem._Browser(), ("key", "ctrl-r"))
+        sqlite_load, dict_load = (
+            tactmem._carry_out(effects[0], b) for b in (store, tools[1].store)
+        )
+        assert sqlite_load is not None and dict_load is not None  # the browser loads alike, too
+        assert sqlite_load[0] == "loaded" and sqlite_load[:2] == dict_load[:2]
+
+
+# ============================================================ opening and checking the database
+
+
+MEMORY_COLUMNS = (
+    "content", "normalized_identity", "created_at_ms", "updated_at_ms", "last_scanned_at_ms",
+    "scan_count", "last_used_at_ms", "use_count", "probation_until_ms", "version",
+)  # fmt: skip
+
+SQL_VALUES = st.one_of(
+    st.none(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=40),
+    st.binary(max_size=40),
+    st.sampled_from([b"\xc3\x28", b"\xed\xa0\x80"]).map(lambda b: ("not utf-8", b)),
+)
+
+# Objects another program could plant; any one of them makes the file one to refuse untouched.
+PLANTS = (
+    "CREATE TRIGGER planted AFTER UPDATE ON memories BEGIN INSERT INTO memories (content,"
+    " normalized_identity, created_at_ms, updated_at_ms) SELECT 'p' || random(), 'p' || random(),"
+    " 0, 0 FROM memories; END",
+    "CREATE TRIGGER planted AFTER INSERT ON memories BEGIN DELETE FROM memories; END",
+    "CREATE TRIGGER planted BEFORE UPDATE ON memory_metadata BEGIN SELECT 1; END",
+    "CREATE VIEW planted AS SELECT * FROM memories",
+    "CREATE INDEX planted ON memories (content)",
+    "ALTER TABLE memories ADD COLUMN planted TEXT",
+    "CREATE TABLE planted (x)",
+    # a schema row whose name is not UTF-8, written past SQLite's own checks
+    "PRAGMA writable_schema = ON; INSERT INTO sqlite_schema VALUES ('table', CAST(x'ff41' AS TEXT),"
+    " CAST(x'ff41' AS TEXT), 0, 'CREATE TABLE x (y)')",
+)
+
+
+@st.composite
+def hostile_files(draw: st.DrawFn) -> tuple[list[tuple[int, str, Any]], Any, str | None, int]:
+    """Row damage `(id, column, value)`, a damaged allocator, a planted object, user_version."""
+    damage = draw(
+        st.lists(st.tuples(st.integers(1, 4), st.sampled_from(MEMORY_COLUMNS), SQL_VALUES),
+                 max_size=6)
+    )  # fmt: skip
+    allocator = draw(st.one_of(st.just(None), SQL_VALUES))
+    plant = draw(st.one_of(st.just(None), st.just(None), st.sampled_from(PLANTS)))
+    version = draw(st.sampled_from([1, 1, 1, 0, 2]))
+    return damage, allocator, plant, version
+
+
+def damage_file(path: Path, file: tuple[list[tuple[int, str, Any]], Any, str | None, int]) -> None:
+    damage, allocator, plant, version = file
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as connection:
+        connection.execute("PRAGMA ignore_check_constraints = ON")  # version 0, counts below 0
+        # a ("not utf-8", bytes) value is bytes SQLite will hold as TEXT that is not UTF-8
+        changes = [(f"memories SET {column}", value, doc_id) for doc_id, column, value in damage]
+        if allocator is not None:
+            changes.append(("memory_metadata SET next_id", allocator, 1))
+        for change, value, doc_id in changes:
+            cast = "CAST(? AS TEXT)" if isinstance(value, tuple) else "?"
+            with contextlib.suppress(sqlite3.IntegrityError):  # NOT NULL, CHECK, UNIQUE
+                connection.execute(
+                    f"UPDATE {change} = {cast} WHERE id = ?",
+                    (value[1] if isinstance(value, tuple) else value, doc_id),
+                )
+        if plant is not None:
+            connection.executescript(plant)
+        connection.execute(f"PRAGMA user_version = {version}")
+
+
+HOSTILE_CALLS = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {"operation": st.just("scan"), "query": st.sampled_from(["rust", "sqlite x"])}
+        ),
+        st.fixed_dictionaries(
+            {"operation": st.just("read"), "ids": st.lists(st.integers(1, 6), max_size=5)}
+        ),
+        st.fixed_dictionaries(
+            {"operation": st.just("put"), "content": st.sampled_from(["fresh one", "rust"])}
+        ),
+        st.fixed_dictionaries({
+            "operation": st.just("put"), "content": st.sampled_from(["mended", "rust again"]),
+            "replace": st.fixed_dictionaries(
+                {"id": st.integers(1, 5), "version": st.integers(1, 2)}
+            ),
+        }),
+        st.fixed_dictionaries(
+            {"operation": st.just("delete"), "id": st.integers(1, 5), "version": st.integers(1, 2)}
+        ),
+    ),
+    min_size=1,
+    max_size=8,
+)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(file=hostile_files(), calls=HOSTILE_CALLS)
+def test_hostile_files_are_refused_untouched_or_served_safely(
+    file: tuple[list[tuple[int, str, Any]], Any, str | None, int], calls: list[dict[str, Any]]
+) -> None:
+    """A store file damaged the ways another program could (wrong-typed values in any column,
+    a broken allocator, a planted trigger, view, index, column or table, another user_version):
+    `Store` and the tool never raise anything but a `TactmemError`, every answer is valid
+    output, a planted object or an unsupported version leaves the file byte for byte as it was,
+    and otherwise the store keeps its bounds and SQLite finds the file sound."""
+    _, _, plant, version = file
+    limits = Limits(records=6, total_content_bytes=2000)
+    with fast_tmp() as directory:
+        path = Path(directory) / "memory.sqlite3"
+        with Store(path, limits=limits) as store:
+            for text in ("rust sqlite one", "rust sqlite two", "sqlite three", "rust four"):
+                store.put(text)
+        damage_file(path, file)
+        before = path.read_bytes()
+        damaged: list[Any] = []  # what SQLite finds wrong now (broken CHECKs, say)
+        with (
+            contextlib.closing(sqlite3.connect(path)) as connection,
+            contextlib.suppress(sqlite3.Error, UnicodeDecodeError),  # a file SQLite cannot read
+        ):
+            damaged = connection.execute("PRAGMA integrity_check").fetchall()
+        refused = plant is not None or version == 2
+        with Store(path, limits=limits) as store:
+            tool = MemoryTool(store, root=True)
+            for request in [{"operation": "scan", "query": "rust"}, *calls]:
+                answer = tool.call(request)
+                OUTPUT_SCHEMA.validate(answer)
+                json.dumps(answer)
+                if refused:
+                    refusals = ("storage_error", "unsupported_schema", "scan_required")
+                    assert answer["error"]["code"] in refusals
+                event("answer: " + answer.get("error", {}).get("code", answer.get("operation", "")))
+            for operation in (store.list, functools.partial(tactmem._stats, store)):
+                if refused:
+                    with pytest.raises((tactmem.StorageError, tactmem.UnsupportedSchema)):
+                        operation()
+                else:
+                    json.dumps(tactmem._to_json(operation()))
+            if not refused:
+                assert all(map(tactmem._shown, store.list()))
+                event(f"rows hidden: {tactmem._stats(store)['hidden_records'] > 0}")
+        if refused:
+            assert path.read_bytes() == before
+            return
+        with contextlib.closing(sqlite3.connect(path)) as connection:
+            # never worse than the damage: what was broken may still be, nothing more
+            after = connection.execute("PRAGMA integrity_check").fetchall()
+            assert after == [("ok",)] or set(after) <= set(damaged)
+            (rows,) = connection.execute("SELECT COUNT(*) FROM memories").fetchone()
+        assert rows <= limits.records
+
+
+# ============================================================ the SQLite store
+
+
+TINY = Limits(
+    content_bytes=48,
+    records=4,
+    total_content_bytes=120,
+    scan_results=2,
+    query_bytes=32,
+    probation_ms=10,
+)
+
+START_MS = 1000
+
+_STORE_SEPARATORS = st.sampled_from([" ", " ", " ", "  ", "\n", "\t", "\xa0", "\u3000"])
+
+_STORE_SECRETS = (
+    "password=w",
+    "token=abcdefghijklmnop",
+    "sk-1234567890123456",
+    "rust Bearer abcdefghijk1234",
+    "https://user:pw@host/x",
+)
+
+
+agents = st.sampled_from([0, 1])  # which of the two stores on the file does the operation
 
 
 @attrs.frozen
@@ -1363,155 +1660,102 @@ StoreMatchesModel.TestCase.settings = settings(
     deadline=None,  # every step is a real SQLite transaction with a sync to disk
     suppress_health_check=[HealthCheck.too_slow],
 )
+
 TestStoreMatchesModel = StoreMatchesModel.TestCase
 
 
-# ================================================================================ a second backend
-# `Backend` is the whole contract between the hosts and a store. `DictBackend` keeps its rows in
-# a dict and takes every rule from the core, as a second backend must; the tool over it must
-# answer exactly as the tool over a SQLite `Store`.
+# ============================================================ the browser (pure)
 
 
-@attrs.define
-class DictBackend:
-    """An in-memory `Backend`: each operation computes new rows and keeps them only when it
-    succeeds, so it is all-or-nothing like a transaction."""
-
-    limits: Limits
-    rows: dict[int, tuple[Record, str]] = attrs.Factory(dict)  # id -> (record, identity)
-    next_id: int = 1
-    corpus: Any = attrs.Factory(tactmem._Corpus)
-
-    def pruned(self, now_ms: int) -> dict[int, tuple[Record, str]]:
-        return {
-            doc_id: (record, identity)
-            for doc_id, (record, identity) in self.rows.items()
-            if not tactmem._expired(record.use_count, record.probation_until_ms, now_ms)
-        }
-
-    def scan(
-        self, query: str, *, limit: int = 5, min_coverage: float = 0.0, now_ms: int | None = None
-    ) -> ScanResult:
-        terms, now = tactmem._scan_terms(query, self.limits), tactmem._now_ms(now_ms)
-        floor = tactmem._check_min_coverage(min_coverage)
-        rows = self.pruned(now)
-        self.corpus.update([(i, r.key.version, r.content) for i, (r, _) in rows.items()])
-        plan = tactmem._plan_scan(self.corpus, terms, limit, self.limits, floor)
-        for doc_id in plan.scanned:
-            record, identity = rows[doc_id]
-            scanned = attrs.evolve(record, last_scanned_at_ms=now, scan_count=record.scan_count + 1)
-            rows[doc_id] = (scanned, identity)
-        self.rows = rows
-        return plan.result
-
-    def read(self, ids: Iterable[int], *, now_ms: int | None = None) -> tuple[Record, ...]:
-        wanted, now = tactmem._read_ids(ids, self.limits), tactmem._now_ms(now_ms)
-        rows = self.pruned(now)
-        records = tactmem._plan_read(wanted, (rows[i][0] for i in wanted if i in rows), now)
-        rows.update((record.key.id, (record, rows[record.key.id][1])) for record in records)
-        self.rows = rows
-        return records
-
-    def put(self, content: str, *, replace: Key | None = None, now_ms: int | None = None) -> Record:
-        put = tactmem._check_put(content, replace, self.limits, tactmem._now_ms(now_ms))
-        rows = self.pruned(put.now_ms)
-        target = rows.get(replace.id) if replace is not None else None
-        state = tactmem._PutState(
-            rows=len(rows),
-            content_bytes=sum(utf8_size(record.content) for record, _ in rows.values()),
-            next_id=self.next_id,
-            duplicate_of=next((i for i, (_, same) in rows.items() if same == put.identity), None),
-            target_version=None if target is None else target[0].key.version,
-            target_bytes=0 if target is None else utf8_size(target[0].content),
-            target_created_at_ms=0 if target is None else target[0].created_at_ms,
-        )
-        plan = tactmem._plan_put(put, state, self.limits)
-        rows[plan.record.key.id] = (plan.record, put.identity)
-        self.rows, self.next_id = rows, max(self.next_id, plan.record.key.id + 1)
-        return plan.record
-
-    def delete(self, key: Key, *, now_ms: int | None = None) -> None:
-        current = self.rows.get(key.id)  # delete never prunes
-        tactmem._check_version(key, None if current is None else current[0].key.version)
-        del self.rows[key.id]
-
-    def list(self, *, now_ms: int | None = None) -> tuple[Record, ...]:
-        self.rows = self.pruned(tactmem._now_ms(now_ms))
-        return tuple(
-            record for _, (record, _) in sorted(self.rows.items()) if tactmem._shown(record)
-        )
+def _cells(text: str) -> int:
+    return sum(tactmem._cell_width(char) for char in text)
 
 
-# The backends to hold to `Store`'s answers: add yours (a class or factory taking `Limits`).
-BACKENDS: list[Callable[[Limits], tactmem.Backend]] = [DictBackend]
-_CALLS = st.one_of(
-    st.builds(lambda query, limit: {"operation": "scan", "query": query, "limit": limit},
-              _store_queries.filter(str.strip), st.sampled_from([1, 2, 2, 3])),
-    st.builds(lambda ids: {"operation": "read", "ids": ids},
-              st.lists(st.integers(1, 7), max_size=4)),
-    st.builds(lambda content: {"operation": "put", "content": content},  # often: bounds bind
-              word_contents() | word_contents() | edge_contents()),
-    st.builds(lambda content: {"operation": "put", "content": content}, word_contents()),
-    st.builds(lambda content, doc_id, version: {"operation": "put", "content": content,
-                                                "replace": {"id": doc_id, "version": version}},
-              word_contents(), st.integers(1, 7), st.integers(1, 3)),
-    st.builds(lambda doc_id, version: {"operation": "delete", "id": doc_id, "version": version},
-              st.integers(1, 7), st.integers(1, 3)),
-)  # fmt: skip
+_hostile_text = st.lists(
+    st.one_of(
+        st.text(max_size=40),
+        st.sampled_from(
+            [
+                "\x1b[31m",
+                "\u202e",
+                "\u200d",
+                "\t",
+                "\n",
+                "\r",
+                "数据库",
+                "👨‍👩‍👧",
+                "e\u0301",
+                "x" * 200,
+            ]
+        ),
+    ),
+    max_size=12,
+).map("".join)
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    steps=st.lists(
-        st.tuples(_CALLS, st.sampled_from([0, 0, 0, 1, 4, 10, 11])), min_size=1, max_size=40
+_NAMESPACES = st.sampled_from(["alice", "bob", "n" * 128])  # the longest a server may send
+
+
+@st.composite
+def browser_states(draw: st.DrawFn) -> tactmem._Browser:
+    """A browser of local memory, or of team memory (`team`): records of several namespaces
+    whose ids collide, shown read-only; after any keys, a team browser has deleted nothing."""
+    contents = draw(st.lists(_hostile_text.filter(str.strip), max_size=6))
+    team = draw(st.sampled_from(["", "alice"]))
+
+    def key(doc_id: int) -> Key:  # team ids collide across namespaces
+        return tactmem.RemoteKey(1 + doc_id % 2, 1, draw(_NAMESPACES)) if team else Key(doc_id, 1)
+
+    records = tuple(
+        Record(key(doc_id), content, 0, 0, None, 0, None, draw(st.integers(0, 3)), None)
+        for doc_id, content in enumerate(contents, start=1)
     )
-)
-@example(steps=[({"operation": "put", "content": f"rust {w}"}, 0) for w in "abcde"])  # full
-@example(
-    steps=[
-        ({"operation": "put", "content": "rust one"}, 0),
-        ({"operation": "read", "ids": [1]}, 1),
-        ({"operation": "put", "content": "rust two", "replace": {"id": 1, "version": 1}}, 1),
-        ({"operation": "delete", "id": 1, "version": 1}, 1),
-        ({"operation": "delete", "id": 1, "version": 2}, 1),
-        ({"operation": "put", "content": "rust three"}, 11),
-    ]
-)
-@pytest.mark.parametrize("second_backend", BACKENDS)
-def test_the_tool_answers_alike_over_any_backend(
-    second_backend: Callable[[Limits], tactmem.Backend], steps: list[tuple[dict[str, Any], int]]
+    records = tuple({tactmem._where(record): record for record in records}.values())
+    state = tactmem._Browser(enabled=draw(st.sampled_from([None, True, False])), team=team)
+    state, _ = tactmem._browse_step(state, ("loaded", records, draw(st.integers(0, 10**13))))
+    keys: st.SearchStrategy[tactmem._Event] = st.one_of(
+        st.sampled_from(
+            ["up", "down", "pgup", "pgdn", "enter", "tab", "esc", "backspace", "delete"]
+        ).map(lambda name: ("key", name)),
+        st.characters(codec="utf-8").map(lambda char: ("char", char)),
+        _hostile_text.map(lambda text: ("paste", text)),
+    )
+    for key_event in draw(st.lists(keys, max_size=8)):
+        state, effects = tactmem._browse_step(state, key_event)
+        assert not (team and any(effect[0] == "delete" for effect in effects))
+        current = state.current()
+        assert current is None or tactmem._where(current) == state.selected
+    return state
+
+
+@settings(max_examples=300)
+@given(state=browser_states(), width=st.integers(0, 120), height=st.integers(0, 40))
+def test_browser_screen_never_leaves_the_window(
+    state: tactmem._Browser, width: int, height: int
 ) -> None:
-    """The same calls through `MemoryTool` over a SQLite `Store` and over a second backend get
-    the same answers, and leave the same records (tiny limits: every bound and probation is
-    hit). So the tool needs nothing of a store but `Backend`, and the core's rules are all a
-    second backend has to reuse."""
-    with fast_tmp() as directory, Store(Path(directory) / "m.sqlite3", limits=TINY) as store:
-        tools = [MemoryTool(store, root=True), MemoryTool(second_backend(TINY), root=True)]
-        now = START_MS
-        for call, elapsed_ms in steps:
-            now += elapsed_ms
-            gate = [{"operation": "scan", "query": "rust"}] if call["operation"] == "put" else []
-            for request in [*gate, call]:  # a put follows a scan, as an agent's would
-                sqlite_answer, dict_answer = (tool.call(request, now_ms=now) for tool in tools)
-                assert sqlite_answer == dict_answer, request
-            event("answer: " + sqlite_answer.get("error", {}).get("code", call["operation"]))
-        assert store.list(now_ms=now) == tools[1].store.list(now_ms=now)
-        _, effects = tactmem._browse_step(tactmem._Browser(), ("key", "ctrl-r"))
-        sqlite_load, dict_load = (
-            tactmem._carry_out(effects[0], b) for b in (store, tools[1].store)
+    """Whatever the content, state and window size, every line fits and no line is extra;
+    no control character reaches the terminal."""
+    lines = tactmem._browse_screen(state, width, height)
+    assert len(lines) <= height
+    for _, text in lines:
+        assert _cells(text) <= width
+        assert not any(unicodedata.category(char) in ("Cc", "Cf", "Cs") for char in text), repr(
+            text
         )
-        assert sqlite_load is not None and dict_load is not None  # the browser loads alike, too
-        assert sqlite_load[0] == "loaded" and sqlite_load[:2] == dict_load[:2]
 
 
-# ================================================================================ push plans
+# ============================================================ team memory: push plans (pure)
+
+
 # `_plan_push` (README, "The push rule") over random local stores, team namespaces and links,
 # some of them stale, some of another namespace: whatever the links say, a push never gives a
 # key other content, never moves a version back, never reuses an id, and without `--force`
 # never changes a team record that no link of this store saw as it is.
 
 _TEXTS = [f"conclusion {word}" for word in ("alpha", "beta", "gamma", "delta", "CONCLUSION alpha")]
+
 _PLACES = st.integers(1, 6)
+
 _VERSIONS = st.integers(1, 3)
 
 
@@ -1536,6 +1780,7 @@ _links = st.lists(
     ),
     max_size=6,
 )  # fmt: skip
+
 _NOW = st.sampled_from([500, 2_000])  # before or after the probation of records and links
 
 
@@ -1633,87 +1878,9 @@ def test_a_push_writes_each_team_id_above_every_version_this_store_saw(
         assert record.key.version > highest.get(record.key.id, 0), record.key
 
 
-# ================================================================================ browser
+# ============================================================ command line (I/O)
 
 
-def _cells(text: str) -> int:
-    return sum(tactmem._cell_width(char) for char in text)
-
-
-_hostile_text = st.lists(
-    st.one_of(
-        st.text(max_size=40),
-        st.sampled_from(
-            [
-                "\x1b[31m",
-                "\u202e",
-                "\u200d",
-                "\t",
-                "\n",
-                "\r",
-                "数据库",
-                "👨‍👩‍👧",
-                "e\u0301",
-                "x" * 200,
-            ]
-        ),
-    ),
-    max_size=12,
-).map("".join)
-
-
-_NAMESPACES = st.sampled_from(["alice", "bob", "n" * 128])  # the longest a server may send
-
-
-@st.composite
-def browser_states(draw: st.DrawFn) -> tactmem._Browser:
-    """A browser of local memory, or of team memory (`team`): records of several namespaces
-    whose ids collide, shown read-only; after any keys, a team browser has deleted nothing."""
-    contents = draw(st.lists(_hostile_text.filter(str.strip), max_size=6))
-    team = draw(st.sampled_from(["", "alice"]))
-
-    def key(doc_id: int) -> Key:  # team ids collide across namespaces
-        return tactmem.RemoteKey(1 + doc_id % 2, 1, draw(_NAMESPACES)) if team else Key(doc_id, 1)
-
-    records = tuple(
-        Record(key(doc_id), content, 0, 0, None, 0, None, draw(st.integers(0, 3)), None)
-        for doc_id, content in enumerate(contents, start=1)
-    )
-    records = tuple({tactmem._where(record): record for record in records}.values())
-    state = tactmem._Browser(enabled=draw(st.sampled_from([None, True, False])), team=team)
-    state, _ = tactmem._browse_step(state, ("loaded", records, draw(st.integers(0, 10**13))))
-    keys: st.SearchStrategy[tactmem._Event] = st.one_of(
-        st.sampled_from(
-            ["up", "down", "pgup", "pgdn", "enter", "tab", "esc", "backspace", "delete"]
-        ).map(lambda name: ("key", name)),
-        st.characters(codec="utf-8").map(lambda char: ("char", char)),
-        _hostile_text.map(lambda text: ("paste", text)),
-    )
-    for key_event in draw(st.lists(keys, max_size=8)):
-        state, effects = tactmem._browse_step(state, key_event)
-        assert not (team and any(effect[0] == "delete" for effect in effects))
-        current = state.current()
-        assert current is None or tactmem._where(current) == state.selected
-    return state
-
-
-@settings(max_examples=300)
-@given(state=browser_states(), width=st.integers(0, 120), height=st.integers(0, 40))
-def test_browser_screen_never_leaves_the_window(
-    state: tactmem._Browser, width: int, height: int
-) -> None:
-    """Whatever the content, state and window size, every line fits and no line is extra;
-    no control character reaches the terminal."""
-    lines = tactmem._browse_screen(state, width, height)
-    assert len(lines) <= height
-    for _, text in lines:
-        assert _cells(text) <= width
-        assert not any(unicodedata.category(char) in ("Cc", "Cf", "Cs") for char in text), repr(
-            text
-        )
-
-
-# =========================================================== agent surface and command line, fuzzed
 # Hostile sequences of tool calls to `MemoryTool.call`, and any argument list to `main`, each on a
 # real store. Their subject is parsing and validation, not durability, so the stores live on
 # tmpfs where there is one (`fast_tmp`): a disk's fsync only slows them down.
@@ -1741,14 +1908,19 @@ JSON_VALUES = st.recursive(
     | st.dictionaries(st.text(max_size=10), children, max_size=4),
     max_leaves=12,
 )  # fmt: skip
+
 NASTY_TEXT = st.lists(
     st.text(max_size=30)
     | st.sampled_from(["\ud800", "\udfff", "\x00", "\u202e", "数据库", "password = w", " " * 40]),
     max_size=8,
 ).map("".join)
+
 IDS = st.integers(1, 6) | st.integers(-(2**70), 2**70) | st.sampled_from([0, 2**63 - 1, 2**63])
+
 KEYS = st.fixed_dictionaries({"id": IDS, "version": st.integers(1, 3) | IDS})
+
 PLAIN_TEXT = st.text(st.characters(codec="utf-8"), min_size=1, max_size=60)
+
 WELL_FORMED = st.one_of(  # exactly the fields each operation takes, with fuzzed values
     st.fixed_dictionaries(
         {"operation": st.just("scan"), "query": PLAIN_TEXT | NASTY_TEXT},
@@ -1764,6 +1936,7 @@ WELL_FORMED = st.one_of(  # exactly the fields each operation takes, with fuzzed
     ),
     st.builds(lambda key: {"operation": "delete", **key}, KEYS),
 )
+
 TOOL_REQUESTS = st.one_of(
     WELL_FORMED,
     WELL_FORMED,
@@ -1821,9 +1994,11 @@ TEAM_KEYS = st.fixed_dictionaries(
         "extra": JSON_VALUES,
     },
 )
+
 CARD_KEYS = st.fixed_dictionaries(
     {"id": st.integers(1, 6), "version": st.integers(1, 3), "namespace": _NAMESPACES}
 )
+
 TEAM_REQUESTS = st.one_of(
     TOOL_REQUESTS,
     st.fixed_dictionaries({"operation": st.just("read"), "keys": st.lists(CARD_KEYS, max_size=4)}),
@@ -1888,6 +2063,7 @@ ARGV_WORDS = st.sampled_from(
         "password = hunter22", "@", "1@", "--", "-h", "export", "import", "restore", "--dry-run",
     ]
 )  # fmt: skip
+
 COMMANDS = st.one_of(
     st.tuples(NASTY_TEXT, st.sampled_from([[], ["--limit", "2"], ["--limit", "9"]]))
     .map(lambda parts: ["scan", parts[0], *parts[1]]),
@@ -1970,149 +2146,3 @@ def test_main_never_raises_for_any_argv(argv: list[str]) -> None:
                 assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
                 (rows,) = connection.execute("SELECT COUNT(*) FROM memories").fetchone()
             assert rows <= 512
-
-
-# ------------------------------------------------------------------------ hostile files (issue 13)
-
-MEMORY_COLUMNS = (
-    "content", "normalized_identity", "created_at_ms", "updated_at_ms", "last_scanned_at_ms",
-    "scan_count", "last_used_at_ms", "use_count", "probation_until_ms", "version",
-)  # fmt: skip
-SQL_VALUES = st.one_of(
-    st.none(),
-    st.integers(-(2**63), 2**63 - 1),
-    st.floats(allow_nan=False),
-    st.text(max_size=40),
-    st.binary(max_size=40),
-    st.sampled_from([b"\xc3\x28", b"\xed\xa0\x80"]).map(lambda b: ("not utf-8", b)),
-)
-# Objects another program could plant; any one of them makes the file one to refuse untouched.
-PLANTS = (
-    "CREATE TRIGGER planted AFTER UPDATE ON memories BEGIN INSERT INTO memories (content,"
-    " normalized_identity, created_at_ms, updated_at_ms) SELECT 'p' || random(), 'p' || random(),"
-    " 0, 0 FROM memories; END",
-    "CREATE TRIGGER planted AFTER INSERT ON memories BEGIN DELETE FROM memories; END",
-    "CREATE TRIGGER planted BEFORE UPDATE ON memory_metadata BEGIN SELECT 1; END",
-    "CREATE VIEW planted AS SELECT * FROM memories",
-    "CREATE INDEX planted ON memories (content)",
-    "ALTER TABLE memories ADD COLUMN planted TEXT",
-    "CREATE TABLE planted (x)",
-    # a schema row whose name is not UTF-8, written past SQLite's own checks
-    "PRAGMA writable_schema = ON; INSERT INTO sqlite_schema VALUES ('table', CAST(x'ff41' AS TEXT),"
-    " CAST(x'ff41' AS TEXT), 0, 'CREATE TABLE x (y)')",
-)
-
-
-@st.composite
-def hostile_files(draw: st.DrawFn) -> tuple[list[tuple[int, str, Any]], Any, str | None, int]:
-    """Row damage `(id, column, value)`, a damaged allocator, a planted object, user_version."""
-    damage = draw(
-        st.lists(st.tuples(st.integers(1, 4), st.sampled_from(MEMORY_COLUMNS), SQL_VALUES),
-                 max_size=6)
-    )  # fmt: skip
-    allocator = draw(st.one_of(st.just(None), SQL_VALUES))
-    plant = draw(st.one_of(st.just(None), st.just(None), st.sampled_from(PLANTS)))
-    version = draw(st.sampled_from([1, 1, 1, 0, 2]))
-    return damage, allocator, plant, version
-
-
-def damage_file(path: Path, file: tuple[list[tuple[int, str, Any]], Any, str | None, int]) -> None:
-    damage, allocator, plant, version = file
-    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as connection:
-        connection.execute("PRAGMA ignore_check_constraints = ON")  # version 0, counts below 0
-        # a ("not utf-8", bytes) value is bytes SQLite will hold as TEXT that is not UTF-8
-        changes = [(f"memories SET {column}", value, doc_id) for doc_id, column, value in damage]
-        if allocator is not None:
-            changes.append(("memory_metadata SET next_id", allocator, 1))
-        for change, value, doc_id in changes:
-            cast = "CAST(? AS TEXT)" if isinstance(value, tuple) else "?"
-            with contextlib.suppress(sqlite3.IntegrityError):  # NOT NULL, CHECK, UNIQUE
-                connection.execute(
-                    f"UPDATE {change} = {cast} WHERE id = ?",
-                    (value[1] if isinstance(value, tuple) else value, doc_id),
-                )
-        if plant is not None:
-            connection.executescript(plant)
-        connection.execute(f"PRAGMA user_version = {version}")
-
-
-HOSTILE_CALLS = st.lists(
-    st.one_of(
-        st.fixed_dictionaries(
-            {"operation": st.just("scan"), "query": st.sampled_from(["rust", "sqlite x"])}
-        ),
-        st.fixed_dictionaries(
-            {"operation": st.just("read"), "ids": st.lists(st.integers(1, 6), max_size=5)}
-        ),
-        st.fixed_dictionaries(
-            {"operation": st.just("put"), "content": st.sampled_from(["fresh one", "rust"])}
-        ),
-        st.fixed_dictionaries({
-            "operation": st.just("put"), "content": st.sampled_from(["mended", "rust again"]),
-            "replace": st.fixed_dictionaries(
-                {"id": st.integers(1, 5), "version": st.integers(1, 2)}
-            ),
-        }),
-        st.fixed_dictionaries(
-            {"operation": st.just("delete"), "id": st.integers(1, 5), "version": st.integers(1, 2)}
-        ),
-    ),
-    min_size=1,
-    max_size=8,
-)  # fmt: skip
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(file=hostile_files(), calls=HOSTILE_CALLS)
-def test_hostile_files_are_refused_untouched_or_served_safely(
-    file: tuple[list[tuple[int, str, Any]], Any, str | None, int], calls: list[dict[str, Any]]
-) -> None:
-    """A store file damaged the ways another program could (wrong-typed values in any column,
-    a broken allocator, a planted trigger, view, index, column or table, another user_version):
-    `Store` and the tool never raise anything but a `TactmemError`, every answer is valid
-    output, a planted object or an unsupported version leaves the file byte for byte as it was,
-    and otherwise the store keeps its bounds and SQLite finds the file sound."""
-    _, _, plant, version = file
-    limits = Limits(records=6, total_content_bytes=2000)
-    with fast_tmp() as directory:
-        path = Path(directory) / "memory.sqlite3"
-        with Store(path, limits=limits) as store:
-            for text in ("rust sqlite one", "rust sqlite two", "sqlite three", "rust four"):
-                store.put(text)
-        damage_file(path, file)
-        before = path.read_bytes()
-        damaged: list[Any] = []  # what SQLite finds wrong now (broken CHECKs, say)
-        with (
-            contextlib.closing(sqlite3.connect(path)) as connection,
-            contextlib.suppress(sqlite3.Error, UnicodeDecodeError),  # a file SQLite cannot read
-        ):
-            damaged = connection.execute("PRAGMA integrity_check").fetchall()
-        refused = plant is not None or version == 2
-        with Store(path, limits=limits) as store:
-            tool = MemoryTool(store, root=True)
-            for request in [{"operation": "scan", "query": "rust"}, *calls]:
-                answer = tool.call(request)
-                OUTPUT_SCHEMA.validate(answer)
-                json.dumps(answer)
-                if refused:
-                    refusals = ("storage_error", "unsupported_schema", "scan_required")
-                    assert answer["error"]["code"] in refusals
-                event("answer: " + answer.get("error", {}).get("code", answer.get("operation", "")))
-            for operation in (store.list, functools.partial(tactmem._stats, store)):
-                if refused:
-                    with pytest.raises((tactmem.StorageError, tactmem.UnsupportedSchema)):
-                        operation()
-                else:
-                    json.dumps(tactmem._to_json(operation()))
-            if not refused:
-                assert all(map(tactmem._shown, store.list()))
-                event(f"rows hidden: {tactmem._stats(store)['hidden_records'] > 0}")
-        if refused:
-            assert path.read_bytes() == before
-            return
-        with contextlib.closing(sqlite3.connect(path)) as connection:
-            # never worse than the damage: what was broken may still be, nothing more
-            after = connection.execute("PRAGMA integrity_check").fetchall()
-            assert after == [("ok",)] or set(after) <= set(damaged)
-            (rows,) = connection.execute("SELECT COUNT(*) FROM memories").fetchone()
-        assert rows <= limits.records
