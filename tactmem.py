@@ -1792,13 +1792,7 @@ def _reject_constant(name: str) -> NoReturn:
 
 def _is_text(value: object) -> bool:
     """A string that is UTF-8 text (JSON can spell a lone surrogate; no store takes one)."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return isinstance(value, str) and re.search("[\ud800-\udfff]", value) is None
 
 
 def _is_label(value: object) -> bool:
@@ -1865,10 +1859,6 @@ def _expired(use_count: int, probation_until_ms: int | None, now_ms: int) -> boo
     """Unread, and at or past the end of its probation: the only rows a store ever drops.
     Scan, read, put and list prune these first; delete never does."""
     return use_count == 0 and probation_until_ms is not None and probation_until_ms <= now_ms
-
-
-def _max_pages(limits: Limits, page_size: int) -> int:
-    return -(-limits.database_bytes // page_size)
 
 
 def _check_insert(rows: int, content_bytes: int, new_bytes: int, limits: Limits) -> None:
@@ -3007,7 +2997,7 @@ def _connected(path: str, limits: Limits) -> tuple[sqlite3.Connection, int]:
         connection.execute("PRAGMA journal_mode = DELETE")
         connection.execute(f"PRAGMA page_size = {_PAGE_SIZE_BYTES}")
         (page_size,) = connection.execute("PRAGMA page_size").fetchone()
-        connection.execute(f"PRAGMA max_page_count = {_max_pages(limits, page_size)}")
+        connection.execute(f"PRAGMA max_page_count = {-(-limits.database_bytes // page_size)}")
         connection.execute("PRAGMA secure_delete = ON")
         _begin_immediate(connection)
         found, cookie = _recheck(connection, cookie)  # another process may have got there first
@@ -5047,12 +5037,6 @@ def _check_thresholds(report: Mapping[str, Any], thresholds: Mapping[str, Any]) 
     return rows
 
 
-def _estimated_tokens(size: int) -> int:
-    """A rough count of model tokens for `size` bytes of JSON: one per four bytes, rounded up
-    (English and JSON average about four bytes a token; CJK text costs more)."""
-    return -(-size // 4)
-
-
 # ------------------------------------------------------------ evaluation: paired runs (pure)
 
 _PAIRED_FIELDS: Final[dict[str, tuple[Callable[[Any], bool], str]]] = {
@@ -5317,7 +5301,9 @@ def _costs(runs: Sequence[_RunFigures]) -> dict[str, Any]:
         cost[f"{operation}_p95_ms"] = _percentile(times, 95)
     for operation in ("scan", "read"):
         sizes = [size for run in runs for size in run.answer_bytes.get(operation, [])]
-        tokens = list(map(_estimated_tokens, sizes))
+        # estimated model tokens: one per four bytes of JSON, rounded up (English and JSON
+        # average about four bytes a token; CJK text costs more)
+        tokens = [-(-size // 4) for size in sizes]
         cost[f"{operation}_bytes_mean"] = _mean(sizes)
         cost[f"{operation}_bytes_p95"] = _percentile(sizes, 95)
         cost[f"{operation}_tokens_mean"] = _mean(tokens)
