@@ -4879,16 +4879,11 @@ _CENTURY_DAYS: Final = 36_525  # the longest advance: a file's clock cannot pass
 
 # What each field must hold, and how to say so.
 _STEP_FIELDS: Final[dict[str, tuple[Callable[[Any], bool], str]]] = {
-    "content": (_is_text, "a string of text"),
-    "query": (_is_text, "a string of text"),
-    "note": (_is_text, "a string of text"),
-    "category": (_is_label, "a non-empty string"),
-    "as": (_is_label, "a non-empty string"),
+    **dict.fromkeys(("content", "query", "note"), (_is_text, "a string of text")),
+    **dict.fromkeys(("category", "as"), (_is_label, "a non-empty string")),
     "target": (_is_label, "a label"),
-    "relevant": (lambda value: isinstance(value, list) and all(map(_is_label, value)),
-                 "a list of labels"),
-    "ids": (lambda value: isinstance(value, list) and all(map(_is_label, value)),
-            "a list of labels"),
+    **dict.fromkeys(("relevant", "ids"), (
+        lambda value: isinstance(value, list) and all(map(_is_label, value)), "a list of labels")),
     "agent": (lambda value: value in _AGENTS, '"root" or "child"'),
     "expect": (lambda value: isinstance(value, str), "an outcome"),
     "version": (lambda value: value in ("current", "stale") or (_is_count(value) and value > 0),
@@ -5034,13 +5029,12 @@ def _check_thresholds(report: Mapping[str, Any], thresholds: Mapping[str, Any]) 
 
 # ------------------------------------------------------------ evaluation: paired runs (pure)
 
+_BOOLEAN: Final = (lambda value: type(value) is bool, "true or false")
 _PAIRED_FIELDS: Final[dict[str, tuple[Callable[[Any], bool], str]]] = {
     "task": (_is_label, "a non-empty string"),
-    "memory": (lambda value: type(value) is bool, "true or false"),
+    "memory": _BOOLEAN,
     "order": (lambda value: value in (1, 2) and type(value) is int, "1 or 2"),
-    "success": (lambda value: type(value) is bool, "true or false"),
-    "contradiction": (lambda value: type(value) is bool, "true or false"),
-    "false_memory": (lambda value: type(value) is bool, "true or false"),
+    **dict.fromkeys(("success", "contradiction", "false_memory"), _BOOLEAN),
     "memory_tokens": (_is_count, "a whole number"),
     "latency_ms": (lambda value: _is_number(value) and 0 <= value < 1e12, "a number"),
     "note": (_is_text, "a string of text"),
