@@ -6029,12 +6029,9 @@ def _holds(link: _Link, record: Record | None) -> bool:
     is another record (a store made anew at the same path)."""
     if record is None:
         return True
-    if record.created_at_ms != link.local_created_at_ms:
+    if record.created_at_ms != link.local_created_at_ms or record.key.version < link.local_version:
         return False
-    same = record.key.version == link.local_version
-    return record.key.version > link.local_version or (
-        same and _digest(record.content) == link.local_digest
-    )
+    return record.key.version > link.local_version or _digest(record.content) == link.local_digest
 
 
 def _as_seen(link: _Link, there: Mapping[int, Record]) -> bool:
@@ -6286,12 +6283,9 @@ def _place(push: _Push, mine: Sequence[Record], chosen: Mapping[int, _Link]) -> 
     is knows what was replaced; then the kept ones; then those with no link."""
     linked = [record for record in mine if record.key.id in chosen]
     changed = {r.key.id for r in linked if r.key.version != chosen[r.key.id].local_version}
-    for record in linked:
-        if record.key.id in changed:
-            push.change(chosen[record.key.id], record)
-    for record in linked:
-        if record.key.id not in changed:
-            push.keep(chosen[record.key.id], record)
+    for record in sorted(linked, key=lambda r: r.key.id not in changed):  # the changed first
+        place = push.change if record.key.id in changed else push.keep
+        place(chosen[record.key.id], record)
     identities = {
         normalized_identity(team.content): team.key.id
         for team in push.there.values()
