@@ -961,11 +961,8 @@ def _query_terms(query: str) -> list[str]:
 
 
 def _bearer_token(text: str) -> bool:
-    for match in _BEARER.finditer(text):
-        run = match.group(1)[:128]
-        if len(run) >= 12 and not run.isalpha():
-            return True
-    return False
+    runs = (match.group(1)[:128] for match in _BEARER.finditer(text))
+    return any(len(run) >= 12 and not run.isalpha() for run in runs)
 
 
 def _credential_url(text: str) -> bool:
@@ -1303,21 +1300,15 @@ def _provider_shape(source: str, flags: int, check: str | None) -> Callable[[str
     blind, flags = bool(flags & re.IGNORECASE), flags & ~re.IGNORECASE
 
     def matches(text: str) -> bool:
-        haystack = _folded(text) if blind else text
-        for match in _shape(source, flags).finditer(haystack):
-            if check is None or _SHAPE_CHECKS[check](match, text):
-                return True
-        return False
+        found = _shape(source, flags).finditer(_folded(text) if blind else text)
+        return any(check is None or _SHAPE_CHECKS[check](match, text) for match in found)
 
     return matches
 
 
 def _jwt(text: str) -> bool:
-    for word in _WS_RUN.split(text):
-        trimmed = _JWT_TRIMMED.search(word)
-        if trimmed and _JWT.fullmatch(trimmed.group()):
-            return True
-    return False
+    trimmed = (_JWT_TRIMMED.search(word) for word in _WS_RUN.split(text))
+    return any(found and _JWT.fullmatch(found.group()) for found in trimmed)
 
 
 # (rule, literals one of which every match contains, whether to look for them in the
