@@ -6874,26 +6874,19 @@ class _TeamLinks:
 def _links_document(found: Any) -> bool:
     """Whether a links file holds what `_TeamLinks.save` writes."""
 
-    def links(value: Any) -> bool:
+    def rows(value: Any, checks: Sequence[Callable[[Any], bool]]) -> bool:
+        """A list of lists, each holding one item per check, that passes it."""
         return isinstance(value, list) and all(
-            isinstance(link, list)
-            and len(link) == len(_LINK_FIELDS)
-            and all(check(item) for check, item in zip(_LINK_FIELDS, link, strict=True))
-            for link in value
+            isinstance(row, list)
+            and len(row) == len(checks)
+            and all(check(item) for check, item in zip(checks, row, strict=True))
+            for row in value
         )
 
     def pulled(value: Any) -> bool:
-        if value is None:
-            return True
-        fields = (_is_namespace, _is_id, _is_id, _is_digest)
-        return (
+        return value is None or (
             isinstance(value, list) and len(value) == 2 and _is_count(value[0])
-            and isinstance(value[1], list)
-            and all(
-                isinstance(item, list) and len(item) == 4
-                and all(check(part) for check, part in zip(fields, item, strict=True))
-                for item in value[1]
-            )
+            and rows(value[1], (_is_namespace, _is_id, _is_id, _is_digest))
         )  # fmt: skip
 
     if not isinstance(found, dict) or found.keys() != {"tactmem-team", "store_next_id", "remotes"}:
@@ -6904,7 +6897,8 @@ def _links_document(found: Any) -> bool:
         and _is_id(found["store_next_id"]) and isinstance(entries, dict)
         and all(
             isinstance(entry, dict) and entry.keys() == {"links", "pending", "pulled"}
-            and links(entry["links"]) and links(entry["pending"]) and pulled(entry["pulled"])
+            and rows(entry["links"], _LINK_FIELDS) and rows(entry["pending"], _LINK_FIELDS)
+            and pulled(entry["pulled"])
             for entry in entries.values()
         )
     )  # fmt: skip
