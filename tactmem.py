@@ -2751,8 +2751,6 @@ def _where(record: Record) -> _Cursor:
 
 
 # ------------------------------------------------------------ opening and checking the database
-# The thin imperative part of the core: SQLite files, the side cache, config files and the
-# MCP glue. Each operation reads, asks the pure core, and writes inside one transaction.
 
 
 _SCHEMA: Final = (
