@@ -7468,11 +7468,8 @@ def _team_store(config: Config | None, command: str) -> RemoteStore | None:
     """The remote store, when the config has one and the working directory is in its scope."""
     if config is None or config.remote is None or command not in _ON_TEAM:
         return None
-    return (
-        RemoteStore.from_config(config.remote)
-        if _in_workspace(config.remote, os.getcwd())
-        else None
-    )
+    in_scope = _in_workspace(config.remote, os.getcwd())
+    return RemoteStore.from_config(config.remote) if in_scope else None
 
 
 # A command's run takes a `Store`, or for the commands of `_ON_TEAM` any `Backend`.
@@ -7643,7 +7640,6 @@ def _run(arguments: argparse.Namespace) -> int:
 
 def _demo() -> int:
     """Run the main job end to end on a throwaway store, printing what happens."""
-
     import tempfile
 
     def attempt(label: str, action: Callable[[], object]) -> None:
