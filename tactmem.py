@@ -7137,7 +7137,7 @@ class core:
     remote_cards = staticmethod(_remote_cards)
     remote_records = staticmethod(_remote_records)
     remote_put = staticmethod(_remote_put)
-    # MCP: the `memory` tool served over streamable HTTP, one surface per caller.
+    # MCP: the `memory` tool as an MCP server, and what one caller is served (its surface).
     McpSurface: typing.TypeAlias = _McpSurface
     mcp_server = staticmethod(_mcp_server)
     # SQLite: a backend on its own SQLite file opens and locks it as `Store` does.
