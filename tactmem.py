@@ -5524,9 +5524,8 @@ class _Scenario:
         if target not in self.labels:
             return self.expect(step, step.fields.get("expect", "deleted"), "target_never_stored")
         doc_id = self.labels[target].id
-        answer = self.call(
-            agent, {"operation": "delete", "id": doc_id, "version": self.version(step)}
-        )
+        request = {"operation": "delete", "id": doc_id, "version": self.version(step)}
+        answer = self.call(agent, request)
         if self.settle(step, answer, "deleted"):
             self.live.pop(doc_id, None)
 
@@ -5543,10 +5542,9 @@ class _Scenario:
         category = step.fields.get("category", "uncategorized")
         self.scans.append(_ScanOutcome(self.source, category, relevant, returned))
         limits, terms = self.store.limits, _query_terms(query)  # the query is checked already
+        corpus = self.store._statistics.corpus
         for point in self.sweep:  # what a scan at each point would return, without telemetry
-            plan = _plan_scan(
-                self.store._statistics.corpus, terms, limits.scan_results, limits, point
-            )
+            plan = _plan_scan(corpus, terms, limits.scan_results, limits, point)
             self.swept[point].append(_ScanOutcome(self.source, category, relevant, plan.scanned))
 
     def stored(self, doc_id: int) -> bool:
