@@ -4657,9 +4657,7 @@ def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str
         return [*lines, ("dim", empty)]
     rows_fit = max(1, (height - 2) // 2)
     position = state.position()
-    first = (
-        max(0, min(position - rows_fit + 1, len(shown) - rows_fit)) if position >= rows_fit else 0
-    )
+    first = max(0, min(position - rows_fit + 1, len(shown) - rows_fit))
     for index, record in enumerate(shown[first : first + rows_fit], start=first):
         marker = "› " if index == position else "  "
         text = _displayable(_first_graphemes(record.content, _PREVIEW_GRAPHEMES), mark=" ")
@@ -7212,8 +7210,7 @@ def _typed_key(text: str) -> _TypedKey | None:
     if match is None:
         return None
     namespace, doc_id, version = match.groups()
-    numbers = (doc_id,) if version is None else (doc_id, version)
-    if not all(_addressable(int(number)) for number in numbers):
+    if not all(_addressable(int(number)) for number in (doc_id, version) if number is not None):
         return None
     return _TypedKey(namespace, int(doc_id), None if version is None else int(version))
 
