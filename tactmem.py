@@ -6939,10 +6939,9 @@ def _push_command(store: Store, arguments: argparse.Namespace, config: Config | 
             if refused:
                 raise Conflict(_push_refusal(plan, hidden, remote.namespace, sent))
             file.save(links, pending=plan.links)
+            guard = None if facts is None else facts.changes
             try:
-                report = team.sync(
-                    plan.snapshot, if_changes=None if facts is None else facts.changes
-                )
+                report = team.sync(plan.snapshot, if_changes=guard)
             except Conflict:
                 if facts is None:
                     raise
