@@ -5359,8 +5359,7 @@ def _eval_lines(report: Mapping[str, Any]) -> Iterator[str]:
         verdict = "PASS" if row["passed"] else "MISS"
         yield f"{verdict} {row['metric']} {sign} {_figure(row['target'])} ({_figure(row['value'])})"
     for miss in report["expectations"]["misses"]:
-        where = _displayable(miss["where"])
-        yield f"MISS {where}: expected {miss['expected']}, got {miss['got']}"
+        yield f"MISS {_displayable(miss['where'])}: expected {miss['expected']}, got {miss['got']}"
     yield "passed" if report["passed"] else "FAILED"
 
 
