@@ -4657,9 +4657,7 @@ def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str
         return [*lines, ("dim", empty)]
     rows_fit = max(1, (height - 2) // 2)
     position = state.position()
-    first = (
-        max(0, min(position - rows_fit + 1, len(shown) - rows_fit)) if position >= rows_fit else 0
-    )
+    first = max(0, min(position - rows_fit + 1, len(shown) - rows_fit))
     for index, record in enumerate(shown[first : first + rows_fit], start=first):
         marker = "› " if index == position else "  "
         text = _displayable(_first_graphemes(record.content, _PREVIEW_GRAPHEMES), mark=" ")
@@ -5361,8 +5359,7 @@ def _eval_lines(report: Mapping[str, Any]) -> Iterator[str]:
         verdict = "PASS" if row["passed"] else "MISS"
         yield f"{verdict} {row['metric']} {sign} {_figure(row['target'])} ({_figure(row['value'])})"
     for miss in report["expectations"]["misses"]:
-        where = _displayable(miss["where"])
-        yield f"MISS {where}: expected {miss['expected']}, got {miss['got']}"
+        yield f"MISS {_displayable(miss['where'])}: expected {miss['expected']}, got {miss['got']}"
     yield "passed" if report["passed"] else "FAILED"
 
 
@@ -5524,9 +5521,8 @@ class _Scenario:
         if target not in self.labels:
             return self.expect(step, step.fields.get("expect", "deleted"), "target_never_stored")
         doc_id = self.labels[target].id
-        answer = self.call(
-            agent, {"operation": "delete", "id": doc_id, "version": self.version(step)}
-        )
+        request = {"operation": "delete", "id": doc_id, "version": self.version(step)}
+        answer = self.call(agent, request)
         if self.settle(step, answer, "deleted"):
             self.live.pop(doc_id, None)
 
@@ -5543,10 +5539,9 @@ class _Scenario:
         category = step.fields.get("category", "uncategorized")
         self.scans.append(_ScanOutcome(self.source, category, relevant, returned))
         limits, terms = self.store.limits, _query_terms(query)  # the query is checked already
+        corpus = self.store._statistics.corpus
         for point in self.sweep:  # what a scan at each point would return, without telemetry
-            plan = _plan_scan(
-                self.store._statistics.corpus, terms, limits.scan_results, limits, point
-            )
+            plan = _plan_scan(corpus, terms, limits.scan_results, limits, point)
             self.swept[point].append(_ScanOutcome(self.source, category, relevant, plan.scanned))
 
     def stored(self, doc_id: int) -> bool:
@@ -6943,10 +6938,9 @@ def _push_command(store: Store, arguments: argparse.Namespace, config: Config | 
             if refused:
                 raise Conflict(_push_refusal(plan, hidden, remote.namespace, sent))
             file.save(links, pending=plan.links)
+            guard = None if facts is None else facts.changes
             try:
-                report = team.sync(
-                    plan.snapshot, if_changes=None if facts is None else facts.changes
-                )
+                report = team.sync(plan.snapshot, if_changes=guard)
             except Conflict:
                 if facts is None:
                     raise
@@ -7214,8 +7208,7 @@ def _typed_key(text: str) -> _TypedKey | None:
     if match is None:
         return None
     namespace, doc_id, version = match.groups()
-    numbers = (doc_id,) if version is None else (doc_id, version)
-    if not all(_addressable(int(number)) for number in numbers):
+    if not all(_addressable(int(number)) for number in (doc_id, version) if number is not None):
         return None
     return _TypedKey(namespace, int(doc_id), None if version is None else int(version))
 
