@@ -5036,16 +5036,9 @@ _PAIRED_MARGINS: Final = (
 def _parse_paired(text: str, source: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """Each task's pair of runs (with memory, without), checked: one of each, orders 1 and 2."""
     runs: dict[str, dict[bool, dict[str, Any]]] = {}
-    required = ("task", "memory", "order", "success")
+    fields = (("task", "memory", "order", "success"), tuple(_PAIRED_FIELDS))  # required, all
     for where, row in _json_lines(text, source):
-        _check_line(
-            where,
-            row,
-            (required, tuple(_PAIRED_FIELDS)),
-            _PAIRED_FIELDS,
-            "paired run",
-            _BadScenario,
-        )
+        _check_line(where, row, fields, _PAIRED_FIELDS, "paired run", _BadScenario)
         pair = runs.setdefault(row["task"], {})
         other = pair.get(not row["memory"])
         if row["memory"] in pair or (other and other["order"] == row["order"]):
