@@ -1707,10 +1707,8 @@ def test_side_cache_takes_in_what_later_scans_work_out(db: Path) -> None:
     assert [entry[0] for entry in cache_lines(db)[1:]] == list(map(tactmem._digest, CACHE_TEXTS))
     with Store(db) as fresh:
         assert fresh.scan("nowhere", now_ms=1).abstained
-        assert fresh._statistics.corpus.unconfirmed == {
-            1,
-            2,
-        }  # both taken from the cache, neither shown
+        # Both were taken from the cache, neither shown.
+        assert fresh._statistics.corpus.unconfirmed == {1, 2}
         assert cards(fresh, "release train") == first
 
 
@@ -3842,9 +3840,8 @@ def test_export_changes_nothing_and_leaves_out_hidden_and_expired_rows(db: Path)
     assert (backup.records, backup.hidden, backup.expired) == (1, 1, 1)
     assert [r["content"] for r in export_lines(backup.data)[1:]] == ["kept"]
     assert b"password" not in backup.data
-    assert (
-        tactmem.export(store, now_ms=12).records == 2
-    )  # before the deadline, the unread one is live
+    # Before the deadline, the unread one is live.
+    assert tactmem.export(store, now_ms=12).records == 2
 
 
 def test_a_store_without_a_file_exports_empty_and_stays_without_one(db: Path) -> None:
@@ -7129,9 +7126,8 @@ def test_a_pull_killed_before_its_bookkeeping_is_found_by_the_next_push(tmp_path
             now = tactmem._now_ms()
             pulled = [("bob", r.key.id, 1, tactmem._digest(r.content)) for r in (held, new)]
             file.save([], pulled=(now, pulled))
-            tactmem._merge_records(
-                local, [(1, held), (2, new)], False, now
-            )  # then the process dies
+            # The merge lands, then the process dies before the bookkeeping.
+            tactmem._merge_records(local, [(1, held), (2, new)], False, now)
         with tactmem._TeamLinks(local, remote) as file:
             links, pending = file.load(local.list())
     assert pending == [] and [(lk.local_id, lk.namespace, lk.remote_id) for lk in links] == [
@@ -8169,9 +8165,10 @@ def private_uses(source: str) -> list[str]:
             names = [node.attr] if node.value.id == "tactmem" else []
         elif isinstance(node, ast.ImportFrom) and node.module == "tactmem":
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            arguments = node.args
-            if node.func.id in ("getattr", "hasattr", "setattr") and len(arguments) >= 2:
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name | ast.Attribute):
+            arguments = node.args  # getattr(tactmem, ...), and monkeypatch.setattr(tactmem, ...)
+            called = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+            if called in ("getattr", "hasattr", "setattr", "delattr") and len(arguments) >= 2:
                 target, name = arguments[0], arguments[1]
                 if isinstance(target, ast.Name) and target.id == "tactmem":
                     text = name.value if isinstance(name, ast.Constant) else None
@@ -8194,6 +8191,7 @@ def test_the_server_and_the_bench_use_public_names_only() -> None:
         "from tactmem import _plan_put, Store\n": ["line 1: _plan_put"],
         "plan = getattr(tactmem, '_plan_scan')\n": ["line 1: _plan_scan"],
         "plan = getattr(tactmem, name)\n": ["line 1: (computed)"],
+        "monkeypatch.setattr(tactmem, '_now_ms', clock)\n": ["line 1: _now_ms"],
         "plan = tactmem.core.plan_scan\nversion = tactmem.__version__\n": [],
     }
     for source, found in doctored.items():

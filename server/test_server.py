@@ -2700,8 +2700,8 @@ def push_a_week_later(member: Member, monkeypatch: pytest.MonkeyPatch) -> str:
     """The member's `tactmem push` a little over a probation from now: in this process, with
     the command line's clock moved on (its store then drops what expired there unread, as it
     would by then); what it printed."""
-    clock, later = tactmem.core.now_ms, tactmem.core.now_ms() + WEEK_MS + 60_000
-    monkeypatch.setattr(tactmem, "_now_ms", lambda now_ms=None: clock(now_ms or later))
+    real, ahead_ns = time.time_ns, (WEEK_MS + 60_000) * 1_000_000
+    monkeypatch.setattr(time, "time_ns", lambda: real() + ahead_ns)
     monkeypatch.chdir(member.base / "home")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
