@@ -3718,11 +3718,24 @@ def load_config(
     env = os.environ if environ is None else environ
     path = resolve_config_path(explicit, environ=env)
     try:
-        data = _read_small_file(path, _CONFIG_BYTES)
+        data = _config_bytes(path)
     except FileNotFoundError:
         if explicit is not None or env.get("TACT_CONFIG"):
             raise ConfigError(f"config file not found: {path}") from None
         return Config(path)
+    config = _parse_config(path, data)
+    if config.remote is not None:
+        _check_private(path)
+    return config
+
+
+def _config_bytes(path: str) -> bytes:
+    """The config file's bytes, if it is a regular file of at most `_CONFIG_BYTES` (a missing
+    file raises `FileNotFoundError`)."""
+    try:
+        data = _read_small_file(path, _CONFIG_BYTES)
+    except FileNotFoundError:
+        raise
     except OSError:
         raise ConfigError(f"could not read the config file {path}") from None
     except ValueError:
@@ -3731,10 +3744,7 @@ def load_config(
         raise ConfigError(f"the config file {path} is not a regular file")
     if len(data) > _CONFIG_BYTES:
         raise ConfigError(f"the config file {path} is larger than {_CONFIG_BYTES} bytes")
-    config = _parse_config(path, data)
-    if config.remote is not None:
-        _check_private(path)
-    return config
+    return data
 
 
 def _parse_config(path: str, data: bytes) -> Config:
@@ -3804,6 +3814,82 @@ def _check_private(path: str) -> None:
             f"config file {path} holds a remote memory bearer token but its mode is {mode:#o};"
             " remove all group and other permissions (chmod 600)"
         )
+
+
+# `tactmem enable` and `disable` set `[memory] enabled` by editing that one line of the file's
+# text (or adding it), so every other byte stays; the edit counts only if the file then parses to
+# exactly what it held before with `enabled` changed.
+_MEMORY_TABLE: Final = re.compile(r"^[ \t]*\[[ \t]*memory[ \t]*\][ \t]*(?:#.*)?$", re.MULTILINE)
+_NEXT_TABLE: Final = re.compile(r"^[ \t]*\[", re.MULTILINE)
+_ENABLED_KEY: Final = re.compile(r"^([ \t]*enabled[ \t]*=[ \t]*)(?:true|false)\b", re.MULTILINE)
+
+
+def _with_memory_enabled(text: str, enabled: bool) -> str | None:
+    """`text` with `[memory] enabled` set to `enabled`, or None when one line cannot do it."""
+    import tomllib
+
+    value = "true" if enabled else "false"
+    table = _MEMORY_TABLE.search(text)
+    if table is None:
+        gap = "" if not text else "\n" if text.endswith("\n") else "\n\n"
+        edited = f"{text}{gap}[memory]\nenabled = {value}\n"
+    else:
+        following = _NEXT_TABLE.search(text, table.end())
+        end = len(text) if following is None else following.start()
+        key = _ENABLED_KEY.search(text, table.end(), end)
+        if key is None:
+            edited = f"{text[: table.end()]}\nenabled = {value}{text[table.end() :]}"
+        else:
+            edited = f"{text[: key.end(1)]}{value}{text[key.end() :]}"
+    wanted = tomllib.loads(text)
+    wanted.setdefault("memory", {})["enabled"] = enabled
+    try:
+        return edited if tomllib.loads(edited) == wanted else None
+    except tomllib.TOMLDecodeError:
+        return None
+
+
+def _switch_memory(path: str, enabled: bool) -> bool:
+    """Set `[memory] enabled` in the config file at `path`, creating it (0600, in a 0700
+    directory) if it is missing; False when it already said so. A file that is not a valid
+    config, or whose `[memory]` one line cannot change, raises `ConfigError` untouched."""
+    target = os.path.realpath(path)  # a linked config is edited where it lives
+    try:
+        data = _config_bytes(target)
+    except FileNotFoundError:
+        if not enabled:
+            return False  # memory is off without a config file
+        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+        descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(descriptor, "w", encoding="utf-8") as file:
+            file.write("[memory]\nenabled = true\n")
+        return True
+    config = _parse_config(path, data)  # raises for a file tactmem would refuse to read
+    if config.memory_enabled == enabled:
+        return False
+    edited = _with_memory_enabled(data.decode("utf-8"), enabled)
+    if edited is None:
+        raise ConfigError(f"[memory] in {path} is written in a form tactmem does not edit")
+    _replace_file(target, edited.encode("utf-8"))
+    return True
+
+
+def _replace_file(path: str, data: bytes) -> None:
+    """Write `data` as the file at `path` all at once, keeping its permissions."""
+    directory, name = os.path.split(path)
+    temporary = os.path.join(directory, f".{name}.tactmem-{os.getpid()}")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with open(descriptor, "wb") as file:
+            os.chmod(temporary, stat.S_IMODE(os.stat(path).st_mode))
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def _git_common_dir(path: str) -> str | None:
@@ -7480,6 +7566,8 @@ _COMMANDS: Final[dict[str, tuple[str, _Run | None]]] = {
     "mcp": ("serve the memory tool over MCP stdio (needs tactmem[mcp])", _serve_command),
     "push": ("send the local records to this namespace on the team server", _push_command),
     "pull": ("merge team memory into the local store, with fresh ids", _pull_command),
+    "enable": ("turn memory on for agents, in the config file", None),
+    "disable": ("turn memory off for agents, in the config file", None),
     "demo": ("run the whole contract on a throwaway store", None),
     "eval": ("score scenarios, or paired agent runs, against pre-registered thresholds", None),
 }
@@ -7601,7 +7689,7 @@ def _run(arguments: argparse.Namespace) -> int:
     _, run = _COMMANDS[arguments.command]
     arguments.json = getattr(arguments, "json", False)
     if run is None:
-        return _eval_command(arguments) if arguments.command == "eval" else _demo()
+        return _STORELESS[arguments.command](arguments)
     config = None
     if hasattr(arguments, "db"):
         if hasattr(arguments, "config"):
@@ -7624,7 +7712,30 @@ def _run(arguments: argparse.Namespace) -> int:
         return run(store, arguments, config) or 0
 
 
-def _demo() -> int:
+def _switch_command(arguments: argparse.Namespace) -> int:
+    """`tactmem enable` and `disable`: `[memory] enabled` in the config file `--config` selects."""
+    if hasattr(arguments, "db"):
+        raise _UsageError(f"{arguments.command} changes a config file: pass --config, not --db")
+    enabled = arguments.command == "enable"
+    path = resolve_config_path(getattr(arguments, "config", None))
+    try:
+        changed = _switch_memory(path, enabled)
+    except ConfigError as error:
+        add = "enabled = true" if enabled else "enabled = false"
+        raise ConfigError(f"{error}; it was left as it is: put {add!r} under [memory]") from None
+    except OSError as error:
+        raise ConfigError(f"could not write the config file {path}: {error.strerror}") from None
+    state = "enabled" if enabled else "disabled"
+    if arguments.json:
+        print(_json({"config": path, "enabled": enabled, "changed": changed}))
+    elif changed:
+        print(f"memory {state} for agents in {path}")
+    else:
+        print(f"memory was already {state} for agents in {path}")
+    return 0
+
+
+def _demo(arguments: argparse.Namespace) -> int:
     """Run the main job end to end on a throwaway store, printing what happens."""
     import tempfile
 
@@ -7676,6 +7787,15 @@ def _demo() -> int:
             print(f"\ndelete #{first.id} at v{replaced.key.version}: done")
             print(f"{len(store.list())} records left; the directory is removed on exit.")
     return 0
+
+
+# The commands that open no store, and what each runs instead.
+_STORELESS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
+    "eval": _eval_command,
+    "enable": _switch_command,
+    "disable": _switch_command,
+    "demo": _demo,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

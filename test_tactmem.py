@@ -3098,6 +3098,33 @@ def test_remote_config_is_read_strictly(tmp_path: Path) -> None:
     assert load_config(empty).remote is None  # all empty: no team memory, as the original
 
 
+@pytest.mark.parametrize(
+    ("text", "enabled", "edited"),
+    [
+        ("", True, "[memory]\nenabled = true\n"),
+        ("[memory]\nenabled = false  # off for now\n", True,
+         "[memory]\nenabled = true  # off for now\n"),
+        ("# mine\n[memory] # here\n\n[memory.remote]\nendpoint = ''\n", True,
+         "# mine\n[memory] # here\nenabled = true\n\n[memory.remote]\nendpoint = ''\n"),
+        ("[tui]\ntheme = 'dark'", True, "[tui]\ntheme = 'dark'\n\n[memory]\nenabled = true\n"),
+        ("[tui]\nenabled = true\n", True, "[tui]\nenabled = true\n\n[memory]\nenabled = true\n"),
+        ("[memory]\nenabled = true\n[agent]\nenabled = true\n", False,
+         "[memory]\nenabled = false\n[agent]\nenabled = true\n"),
+        ("[memory]\n[agent]\nenabled = false\n", True,
+         "[memory]\nenabled = true\n[agent]\nenabled = false\n"),
+        ('[memory]\n[x]\ns = """\n[memory]\nenabled = false\n"""\n', True,
+         '[memory]\nenabled = true\n[x]\ns = """\n[memory]\nenabled = false\n"""\n'),
+        ("memory.enabled = false\n", True, None),  # dotted and inline tables are the owner's
+        ("memory = { enabled = false }\n", True, None),
+        ('[memory]\n"enabled" = false\n', True, None),
+    ],
+)  # fmt: skip
+def test_enabling_memory_edits_one_line_of_the_config_and_keeps_every_other_byte(
+    text: str, enabled: bool, edited: str | None
+) -> None:
+    assert tactmem._with_memory_enabled(text, enabled) == edited
+
+
 # ============================================================ MCP glue
 
 
@@ -7156,6 +7183,89 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
     status = tactmem.main(list(argv))
     captured = capsys.readouterr()
     return status, captured.out, captured.err
+
+
+def test_enable_creates_a_private_config_and_disable_turns_it_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27: `tactmem enable` writes the config `load_config` resolves (here
+    `$TACT_HOME/config.toml`), 0600 in a new 0700 directory; then the tool answers."""
+    monkeypatch.delenv("TACT_CONFIG", raising=False)
+    monkeypatch.setenv("TACT_HOME", str(tmp_path / "tact"))
+    config = tmp_path / "tact" / "config.toml"
+    assert run_cli(capsys, "disable") == (
+        0,
+        f"memory was already disabled for agents in {config}\n",
+        "",
+    )
+    assert not (tmp_path / "tact").exists()  # off needs no file
+    assert run_cli(capsys, "enable") == (0, f"memory enabled for agents in {config}\n", "")
+    assert (stat.S_IMODE(config.parent.stat().st_mode), stat.S_IMODE(config.stat().st_mode)) == (
+        0o700,
+        0o600,
+    )
+    assert load_config().memory_enabled is True
+    assert run_cli(capsys, "enable")[1] == f"memory was already enabled for agents in {config}\n"
+    status, out, _ = run_cli(capsys, "--json", "disable")
+    assert (status, json.loads(out)) == (
+        0,
+        {"config": str(config), "enabled": False, "changed": True},
+    )
+    assert config.read_text() == "[memory]\nenabled = false\n" and not load_config().memory_enabled
+    assert sorted(p.name for p in config.parent.iterdir()) == ["config.toml"]  # no temporary left
+
+
+def test_enable_keeps_every_other_byte_the_mode_and_the_link_of_an_existing_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The original's own config file, a team table with its token, a comment: only the one
+    line changes; the 0600 mode stays and a linked config is edited where it lives."""
+    (tmp_path / "dotfiles").mkdir()
+    real = team_config(tmp_path / "dotfiles", "https://team.example.com", ["work"])
+    before = "# my Tact config\nmodel = 'x'\n" + real.read_text().replace(
+        "[memory]\nenabled = true\n", "[memory] # team\n"
+    )
+    real.write_text(before)
+    link = tmp_path / "config.toml"
+    link.symlink_to(real)
+    for command, value in (("enable", "true"), ("disable", "false")):
+        assert run_cli(capsys, "--config", str(link), command)[0] == 0
+        assert link.is_symlink() and stat.S_IMODE(real.stat().st_mode) == 0o600
+        edited = before.replace("[memory] # team\n", f"[memory] # team\nenabled = {value}\n")
+        assert real.read_text() == edited and load_config(link).remote is not None
+    assert sorted(os.listdir(real.parent)) == ["config.toml"]
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("[memory\n", "is not valid TOML (at line 1, column 8)"),
+        ("[memory]\ncolour = 'blue'\n", "unknown key in [memory]"),
+        ("memory.enabled = false\n", "is written in a form tactmem does not edit"),
+        ("\udcff", "not valid TOML (not UTF-8)"),
+    ],
+)
+def test_enable_leaves_a_config_it_cannot_edit_safely_and_says_what_to_add(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, reason: str
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_bytes(text.encode("utf-8", "surrogateescape"))
+    before = config.read_bytes()
+    status, out, err = run_cli(capsys, "--config", str(config), "enable")
+    assert (status, out, config.read_bytes()) == (1, "", before)
+    assert reason in err and err.endswith(
+        "; it was left as it is: put 'enabled = true' under [memory]\n"
+    )
+    assert err.count("\n") == 1 and sorted(os.listdir(tmp_path)) == ["config.toml"]
+
+
+def test_enable_and_disable_take_a_config_not_a_database(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for command in ("enable", "disable"):
+        status, _, err = run_cli(capsys, "--db", str(db), command)
+        assert status == 2 and f"{command} changes a config file: pass --config, not --db" in err
+    assert not db.exists()
 
 
 def test_cli_round_trip(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
