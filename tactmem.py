@@ -2294,8 +2294,10 @@ def _answer(request: _Request, value: Any) -> dict[str, Any]:
 
 
 def _error_answer(error: TactmemError) -> dict[str, Any]:
-    """The tool's answer to a call that failed and changed nothing."""
-    return {"error": {"code": error.code, "message": str(error)}}
+    """The tool's answer to a call that failed and changed nothing (a secret refusal names the
+    rule's shape, never the text)."""
+    rule = {"rule": error.rule} if isinstance(error, SecretRejected) else {}
+    return {"error": {"code": error.code, "message": str(error), **rule}}
 
 
 def _to_json(value: object) -> Any:
@@ -2367,7 +2369,8 @@ def _output_schema(limits: Limits) -> dict[str, Any]:
     cards = {"type": "array", "items": _closed(candidate), "maxItems": limits.scan_results}
     code = {"type": "string", "pattern": "^[a-z_]+$"}
     reason = {"enum": [*get_args(_Abstention), None]}
-    error = _closed({"code": code, "message": {"type": "string"}})
+    text = {"type": "string"}
+    error = _closed({"code": code, "message": text, "rule": text}, required=("code", "message"))
     answers: dict[str, tuple[dict[str, Any], str]] = {
         "scan": ({"abstained": {"type": "boolean"}, "candidates": cards, "reason": reason},
                  "Candidates, best first; `abstained`, with the `reason`, when there are none."),
@@ -7832,10 +7835,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except TactmemError as error:
         mcp_channel = getattr(arguments, "command", None) == "mcp"  # stdout speaks JSON-RPC
+        answer = _error_answer(error)
         if getattr(arguments, "json", False) and not mcp_channel:  # the tool's own object
-            print(_json(_error_answer(error)))
+            print(_json(answer))
         else:
-            print(f"tactmem: {error}", file=sys.stderr)
+            rule = answer["error"].get("rule")
+            print(f"tactmem: {error}" + (f" (rule: {rule})" if rule else ""), file=sys.stderr)
         return _NOTHING_FOUND if isinstance(error, NotFound) else 1
     except OSError as error:  # standard streams or files the operating system refused
         print(f"tactmem: {error.strerror or 'input/output error'}", file=sys.stderr)

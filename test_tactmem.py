@@ -3501,6 +3501,8 @@ def test_mcp_server_over_stdio_with_the_sdk_client(tmp_path: Path) -> None:
         call("memory", operation="scan", query="x", is_root=True),
         call("nonexistent"),
         call("memory", operation="delete", id=1, version=2),
+        call("memory", operation="scan", query="mcp deploy"),
+        call("memory", operation="put", content="The MCP deploy password = hunter22zorblax"),
     ]
     child_calls = [
         call("memory", operation="scan", query="child server"),
@@ -3531,7 +3533,7 @@ def test_mcp_server_over_stdio_with_the_sdk_client(tmp_path: Path) -> None:
         assert [json.loads(block.text) for block in result.content] == [answer]
         assert_output_shape(answer)
         answers.append(answer)
-    scan, put, read, _, replace, _, stale, wrong, strict, unknown, delete = answers
+    scan, put, read, _, replace, _, stale, wrong, strict, unknown, delete, _, secret = answers
     assert scan == {
         "operation": "scan",
         "abstained": True,
@@ -3546,6 +3548,14 @@ def test_mcp_server_over_stdio_with_the_sdk_client(tmp_path: Path) -> None:
     assert wrong["error"]["code"] == "conflict"
     assert strict["error"]["code"] == unknown["error"]["code"] == "invalid_request"
     assert delete == {"operation": "delete", "id": 1}
+    assert secret == {  # issue 27: the refusal names the rule's shape, never the text
+        "error": {
+            "code": "secret_rejected",
+            "message": "memory content was rejected as a likely secret",
+            "rule": "credential_assignment",
+        }
+    }
+    assert "hunter22" not in results[-1].content[0].text
     assert Store(db).list() == ()
 
     with Store(db) as store:
@@ -7266,6 +7276,22 @@ def test_enable_and_disable_take_a_config_not_a_database(
         status, _, err = run_cli(capsys, "--db", str(db), command)
         assert status == 2 and f"{command} changes a config file: pass --config, not --db" in err
     assert not db.exists()
+
+
+def test_a_secret_refusal_names_its_rule_on_the_command_line(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 27: the line says which rule's shape it matched (as the tool's `rule`), never the
+    text; --json prints the tool's own error object."""
+    token = "ghp_" + "zorblaxQuux" * 3
+    content = f"CI pushes with {token} as its token"
+    status, out, err = run_cli(capsys, "--db", str(db), "put", content)
+    rule = tactmem.find_secret(content)
+    assert rule is not None and (status, out) == (1, "")
+    assert err == f"tactmem: memory content was rejected as a likely secret (rule: {rule})\n"
+    status, out, _ = run_cli(capsys, "--db", str(db), "--json", "put", content)
+    assert (status, json.loads(out)["error"]["rule"]) == (1, rule)
+    assert token not in out + err and Store(db).list() == ()
 
 
 def test_cli_round_trip(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
