@@ -7247,9 +7247,26 @@ class _Parser(argparse.ArgumentParser):
     instead of exiting with a usage dump."""
 
     def error(self, message: str) -> NoReturn:
+        extra = message.removeprefix("unrecognized arguments: ")
+        hint = _closest_option(extra) if extra != message else ""
         for pattern, wording in _USAGE_WORDING:
             message = re.sub(f"(?s)^{pattern}$", wording, message)
-        raise _UsageError(message)
+        raise _UsageError(message + hint)
+
+
+def _closest_option(words: str) -> str:
+    """A hint naming the known option closest to a mistyped one (option names are not user
+    data; what was typed is still never shown)."""
+    import difflib
+
+    known = ["--db", "--config", "--json", "--help", "--version"]
+    known += [flag for options in _ARGUMENTS.values() for flags, _ in options for flag in flags]
+    for word in words.split():
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.partition("=")[0], known, n=1, cutoff=0.6)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
 
 
 _TYPED_NUMBER: Final = "[0-9]{1,19}"  # a plain decimal number (not `٣`, not `1_0`)
@@ -7677,7 +7694,7 @@ def _build_parser(argv: Sequence[str] = ()) -> _Parser:
         description="A bounded, global memory of durable conclusions for coding agents.",
         parents=[common],
     )
-    parser.add_argument("--version", action="version", version=f"tactmem {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"tactmem {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     named = _named_command(argv)
     for name, (summary, _) in _COMMANDS.items():
@@ -7825,6 +7842,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except _UsageError as error:
+        if "--json" in words:  # scripts read the error where they read answers
+            print(_json({"error": {"code": "usage", "message": str(error)}}))
         print(f"tactmem: usage: {error} (see tactmem --help)", file=sys.stderr)
         return 2
     except _BadScenario as error:  # exit 1 is kept for a missed threshold

@@ -7619,10 +7619,44 @@ def test_cli_default_path_honours_home(
 
 
 def test_cli_help_and_version_return_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    status, out, _ = run_cli(capsys, "--version")
-    assert (status, out) == (0, f"tactmem {tactmem.__version__}\n")
+    for flag in ("--version", "-V"):  # issue 27: -V too
+        status, out, _ = run_cli(capsys, flag)
+        assert (status, out) == (0, f"tactmem {tactmem.__version__}\n")
     status, out, _ = run_cli(capsys, "--help")
     assert status == 0 and "demo" in out
+
+
+def test_a_mistyped_option_is_answered_with_the_closest_known_one(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 27: `--jsno` suggests `--json`; the typed words are still never shown, and a word
+    like no option gets no guess."""
+    for argv, hint in (
+        (["--jsno", "list"], "; did you mean --json?"),
+        (["scan", "deploys", "--limt", "3"], "; did you mean --limit?"),
+        (["put", "x", "--replac3=7@2"], "; did you mean --replace?"),
+        (["list", "--hunter22zorblax"], ""),
+    ):
+        status, out, err = run_cli(capsys, "--db", str(db), *argv)
+        wording = (
+            f"tactmem: usage: unexpected extra arguments (not shown){hint} (see tactmem --help)"
+        )
+        assert (status, out, err) == (2, "", wording + "\n")
+    assert not db.exists()
+
+
+def test_a_usage_error_under_json_prints_the_error_object_on_stdout(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 27: scripts read errors where they read answers; people still get the line."""
+    for argv in (["list", "--sort", "hunter22zorblax"], ["--jsno", "list"], ["lisst"]):
+        status, out, err = run_cli(capsys, "--db", str(db), "--json", *argv)
+        answer = json.loads(out)
+        assert status == 2 and answer == {
+            "error": {"code": "usage", "message": answer["error"]["message"]}
+        }
+        assert err == f"tactmem: usage: {answer['error']['message']} (see tactmem --help)\n"
+        assert "hunter22" not in out + err and "lisst" not in out + err
 
 
 @pytest.mark.slow
