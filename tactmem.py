@@ -4528,16 +4528,21 @@ class _Browser:
     width: int = 80  # the window, from ("size", width, height) events
     height: int = 24
     team: str = ""  # team memory's own namespace: its records are shown read-only
+    own_only: bool = False  # team memory: only the own namespace's records (Ctrl+N)
 
     def shown(self) -> list[Record]:
-        """The records matching the filter (content, or the label without `#`), sorted."""
+        """The records matching the filter (content, or the label without `#`) and the scope,
+        sorted."""
         query = self.query.casefold()
         return _sorted_records(
             (
                 record
                 for record in self.records
-                if query in record.content.casefold()
-                or self.query in _key_label(record.key).removeprefix("#")
+                if (
+                    query in record.content.casefold()
+                    or self.query in _key_label(record.key).removeprefix("#")
+                )
+                and (not self.own_only or getattr(record.key, "namespace", "") == self.team)
             ),
             self.sort,
         )
@@ -4610,7 +4615,18 @@ _ANSWERS: Final[dict[_EventKind, Callable[..., _Step]]] = {
     "delete_failed": _delete_failed,
 }
 _Action = Literal[
-    "delete", "reload", "quit", "back", "move", "scroll", "open", "sort", "erase", "type", "ignore"
+    "delete",
+    "reload",
+    "quit",
+    "back",
+    "move",
+    "scroll",
+    "open",
+    "sort",
+    "scope",
+    "erase",
+    "type",
+    "ignore",
 ]
 # What each key does in each view (and how far); other characters and pastes filter the list.
 _KEY_MAP: Final[dict[_View, dict[tuple[str, ...], tuple[_Action, int]]]] = {
@@ -4620,7 +4636,8 @@ _KEY_MAP: Final[dict[_View, dict[tuple[str, ...], tuple[_Action, int]]]] = {
         ("key", "enter"): ("open", 0), ("key", "tab"): ("open", 0),
         ("key", "delete"): ("delete", 0), ("key", "ctrl-d"): ("delete", 0),
         ("key", "ctrl-r"): ("reload", 0), ("key", "esc"): ("quit", 0),
-        ("key", "backspace"): ("erase", 0), ("char", "f"): ("sort", 0),
+        ("key", "backspace"): ("erase", 0), ("key", "ctrl-s"): ("sort", 0),
+        ("key", "ctrl-n"): ("scope", 0),
     },
     "detail": {
         ("key", "up"): ("scroll", -1), ("key", "down"): ("scroll", 1),
@@ -4636,8 +4653,8 @@ def _browse_step(state: _Browser, event: _Event) -> _Step:
     """The browser's reducer: a key or a store answer in, the new state and effects out.
 
     Events: ("key", name) for up, down, pgup, pgdn, enter, tab, esc, backspace, delete, ctrl-d,
-    ctrl-r; ("char", c) for a typed character; ("paste", text); ("size", width, height);
-    ("tick", now_ms), the clock the ages are shown against; ("loaded", records, now_ms);
+    ctrl-r, ctrl-s, ctrl-n; ("char", c) for a typed character; ("paste", text); ("size", width,
+    height); ("tick", now_ms), the clock the ages are shown against; ("loaded", records, now_ms);
     ("load_failed", message); ("deleted", key);
     ("delete_failed", key, code, message). Effects: ("load",), ("delete", key), ("quit",).
     """
@@ -4694,6 +4711,8 @@ def _act(
         case "sort":
             sort = _SORT_MODES[(_SORT_MODES.index(state.sort) + 1) % len(_SORT_MODES)]
             return _select(attrs.evolve(state, sort=sort)), []
+        case "scope" if state.team:  # all namespaces the token reads, or the own one
+            return _select(attrs.evolve(state, own_only=not state.own_only)), []
         case "erase":
             return _select(attrs.evolve(state, query=_drop_last_grapheme(state.query))), []
         case "type":
@@ -4713,18 +4732,24 @@ def _browse_screen(state: _Browser, width: int, height: int) -> list[tuple[str, 
         lines = _detail_lines(state, width, height)
     else:
         lines = _list_lines(state, width, height)
-    footer = state.status or (
-        "↑↓ scroll · PgUp/PgDn · d delete · r reload · Esc back"
-        if state.view == "detail"
-        else "Esc clear filter · Enter open · f sort · Ctrl+D delete · Ctrl+R reload"
-        if state.query
-        else "type to filter · Enter open · f sort · Ctrl+D delete · Ctrl+R reload · Esc quit"
-    )
-    if state.team and not state.status:  # nothing to delete with: say read-only instead
-        footer = re.sub(r"(Ctrl\+D|d) delete", "read-only", footer)
     body = lines[: height - 1]
+    footer = state.status or _footer(state, width)
     screen = [*body, *[("", "")] * (height - 1 - len(body)), ("status", " " + footer)]
     return [(style, _fit(text, width)) for style, text in screen]
+
+
+def _footer(state: _Browser, width: int) -> str:
+    """The keys of the view; Ctrl+R's is left out first when the window is too narrow."""
+    if state.view == "detail":
+        keys = ["↑↓ scroll", "PgUp/PgDn", "read-only" if state.team else "d delete", "r reload"]
+        keys.append("Esc back")
+    else:
+        keys = ["Esc clear filter" if state.query else "type to filter", "Enter open"]
+        keys += ["Ctrl+S sort", "Ctrl+N scope" if state.team else "Ctrl+D delete", "Ctrl+R reload"]
+        keys += [] if state.query else ["Esc quit"]
+    if len(" · ".join(keys)) >= width:  # the footer line starts with a space
+        keys.remove("Ctrl+R reload" if "Ctrl+R reload" in keys else "r reload")
+    return " · ".join(keys)
 
 
 def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str]]:
@@ -4732,7 +4757,8 @@ def _list_lines(state: _Browser, width: int, height: int) -> list[tuple[str, str
     query = _displayable(state.query, mark=" ")
     team = _fit(state.team, _SHOWN_NAMESPACE)
     memory = f"Team memory ({team}, read-only)" if state.team else "Memory"
-    title = f" {memory} · Filter: {query}  Sort: {_SORTS[state.sort][0]}{agents}"
+    scope = ("  Scope: Own" if state.own_only else "  Scope: All") if state.team else ""
+    title = f" {memory} · Filter: {query}  Sort: {_SORTS[state.sort][0]}{scope}{agents}"
     lines = [("title", title)]
     shown = state.shown()
     if not state.loaded:
@@ -4827,7 +4853,7 @@ _CURSES_KEYS: Final = {
 }  # fmt: skip
 _CONTROL_KEYS: Final = {
     "\n": "enter", "\r": "enter", "\t": "tab", "\x1b": "esc", "\x7f": "backspace",
-    "\x08": "backspace", "\x04": "ctrl-d", "\x12": "ctrl-r",
+    "\x08": "backspace", "\x04": "ctrl-d", "\x12": "ctrl-r", "\x13": "ctrl-s", "\x0e": "ctrl-n",
 }  # fmt: skip
 
 
@@ -4863,6 +4889,7 @@ def _browse_loop(screen: Any, store: Backend, state: _Browser) -> None:
         curses.curs_set(0)
     styles = {"title": curses.A_BOLD, "selected": curses.A_REVERSE, "dim": curses.A_DIM}
     screen.keypad(True)
+    _keep_ctrl_s()
     effects: list[_Effect] = [("load",)]
     while True:
         while effects:
@@ -4900,6 +4927,17 @@ def _browse_loop(screen: Any, store: Backend, state: _Browser) -> None:
 
 
 _TICK_MS: Final = 15_000  # how often an idle browser redraws, so that its ages stay true
+
+
+def _keep_ctrl_s() -> None:
+    """Turn off the terminal's XON/XOFF flow control, so Ctrl+S reaches the browser instead of
+    pausing the output (curses restores the terminal's modes on exit)."""
+    import termios
+
+    with contextlib.suppress(termios.error, OSError, ValueError):
+        mode = termios.tcgetattr(sys.stdin.fileno())
+        mode[0] &= ~termios.IXON
+        termios.tcsetattr(sys.stdin.fileno(), termios.TCSANOW, mode)
 
 
 def _next_key_waiting(screen: Any) -> bool:

@@ -4479,9 +4479,23 @@ def test_browser_sort_cycle_matches_the_reference_fixture() -> None:
     orders = []
     for _ in range(5):
         orders.append(ids(state))
-        state, _ = press(state, "f")
+        state, _ = press(state, "ctrl-s")  # the original's current key (issue 27; it was `f`)
     assert orders == [[3, 1, 2, 4], [2, 3, 1, 4], [4, 1, 3, 2], [4, 2, 1, 3], [3, 1, 2, 4]]
     assert "Sort: Newest" in screen_text(state)  # five presses: one past the full cycle
+
+
+def test_every_letter_can_be_typed_into_the_browsers_filter() -> None:
+    """Issue 27: `f` used to cycle the sort, so "flags" filtered by "lags" and changed the sort.
+    Every printable character is now typing; the footer names Ctrl+S for the sort."""
+    state = loaded(rec(1, content="feature flags live in LaunchDarkly"), rec(2, content="lags"))
+    state, effects = press(state, *"flags")
+    assert (state.query, state.sort, ids(state), effects) == ("flags", "useful", [1], [])
+    assert "Ctrl+S sort" in screen_text(state).splitlines()[-1]
+    for width in (100, 80):  # a footer that does not fit leaves Ctrl+R out, not the end cut
+        footer = screen_text(loaded(rec(1)), width, 24).splitlines()[-1]
+        assert footer.endswith("Esc quit") and ("Ctrl+R" in footer) == (width > 80)
+    assert tactmem._key_event("\x13", lambda _: b"") == ("key", "ctrl-s")
+    assert tactmem._key_event("\x0e", lambda _: b"") == ("key", "ctrl-n")
 
 
 def test_browser_selection_follows_the_id_across_filter_reload_and_delete() -> None:
@@ -4660,7 +4674,7 @@ def test_browser_probation_labels() -> None:
 
 TERMINAL_KEYS = {
     "up": b"\x1b[A", "down": b"\x1b[B", "enter": b"\r", "esc": b"\x1b", "delete": b"\x1b[3~",
-    "ctrl-d": b"\x04", "ctrl-r": b"\x12", "backspace": b"\x7f",
+    "ctrl-d": b"\x04", "ctrl-r": b"\x12", "ctrl-s": b"\x13", "backspace": b"\x7f",
 }  # fmt: skip
 
 
@@ -4686,8 +4700,8 @@ def test_browser_review_fixes() -> None:
     assert ids(press(state, "b", "E", "t")[0]) == [3]
     # Newest and Oldest break ties by id.
     tied = loaded(rec(1, 5), rec(2, 5), rec(3, 5))
-    assert ids(press(tied, "f")[0]) == [3, 2, 1]
-    assert ids(press(tied, "f", "f")[0]) == [1, 2, 3]
+    assert ids(press(tied, "ctrl-s")[0]) == [3, 2, 1]
+    assert ids(press(tied, "ctrl-s", "ctrl-s")[0]) == [1, 2, 3]
     # Timestamps outside the calendar are shown, not fatal.
     odd = attrs.evolve(rec(1), updated_at_ms=2**62, created_at_ms=-(10**15))
     assert "outside the calendar" in screen_text(press(loaded(odd), "enter")[0], 100, 30)
@@ -4866,8 +4880,8 @@ def test_the_browser_shows_team_records_read_only_with_their_namespace() -> None
     screen = "\n".join(text for _, text in tactmem._browse_screen(state, 80, 12))
     assert "Team memory (alice, read-only)" in screen
     assert "alice#1 · v1" in screen and "bob#1 · v1" in screen
-    assert "delete" not in screen and "read-only" in screen.splitlines()[-1]
-    assert state.selected == ("alice", 1)
+    assert "delete" not in screen and "Ctrl+N scope" in screen.splitlines()[-1]
+    assert "Scope: All" in screen and state.selected == ("alice", 1)
     state, _ = tactmem._browse_step(state, ("key", "down"))
     assert state.selected == ("bob", 1)  # the same id, another record
     presses: list[list[tactmem._Event]] = [[("key", "ctrl-d")], [("key", "enter"), ("char", "d")]]
@@ -4884,6 +4898,15 @@ def test_the_browser_shows_team_records_read_only_with_their_namespace() -> None
     assert state.view == "list" and state.status == "Memory bob#1 is gone (deleted or expired)."
     filtered = tactmem._Browser(team="alice", records=tuple(records), loaded=True, query="bob#")
     assert [r.content for r in filtered.shown()] == [records[1].content]
+    # Ctrl+N: the own namespace only, and back to all (issue 27, as the original's HEAD)
+    state, _ = tactmem._browse_step(state, ("loaded", records, 2))
+    own, _ = tactmem._browse_step(state, ("key", "ctrl-n"))
+    assert [r.key for r in own.shown()] == [records[0].key] and own.selected == ("alice", 1)
+    assert "Scope: Own" in "\n".join(text for _, text in tactmem._browse_screen(own, 80, 12))
+    again, _ = tactmem._browse_step(own, ("key", "ctrl-n"))
+    assert len(again.shown()) == 2
+    local, _ = press(loaded(rec(1)), "ctrl-n")  # local memory has no scope to change
+    assert local == loaded(rec(1)) and "Scope" not in screen_text(local)
 
 
 def test_the_browser_keeps_ids_in_sight_whatever_the_namespace_length() -> None:
@@ -4967,7 +4990,7 @@ def test_browse_end_to_end_filter_sort_detail_delete(db: Path) -> None:
     try:
         terminal.wait_for("Sort: Most useful")
         assert "› The user prefers small" in terminal.text()  # read once: most useful
-        terminal.press("f")
+        terminal.press("ctrl-s")  # reaches the browser: flow control is off
         terminal.wait_for("Sort: Newest")
         terminal.press("l", "e", "d", "g")
         screen = terminal.wait_for("Filter: ledg")
