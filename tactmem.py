@@ -5744,7 +5744,8 @@ def _run_scenarios(
     import tempfile
 
     runs = []
-    for source, limits, steps in scenarios:
+    for done, (source, limits, steps) in enumerate(scenarios):
+        _progress(f"scenario {done + 1} of {len(scenarios)}")
         with (
             tempfile.TemporaryDirectory(prefix="tactmem-eval-") as directory,
             Store(os.path.join(directory, "memory.sqlite3"), limits=limits) as store,
@@ -5753,7 +5754,16 @@ def _run_scenarios(
                 runs.append(_Scenario(store, source, min_coverage, sweep).run(steps))
             except TactmemError as error:  # the runner's own list or stats, not a tool call
                 raise _BadScenario(f"{source}: the store refused the scenario ({error})") from None
+    _progress("")
     return runs
+
+
+def _progress(line: str) -> None:
+    """`tactmem eval`'s progress, rewritten in place on a terminal's standard error (nothing
+    when it is not a terminal; an empty line clears it)."""
+    if sys.stderr is not None and sys.stderr.isatty():
+        print(f"\r\x1b[Ktactmem eval: {line}…" if line else "\r\x1b[K", end="", file=sys.stderr)
+        sys.stderr.flush()
 
 
 def _eval_command(arguments: argparse.Namespace) -> int:
@@ -5775,7 +5785,11 @@ def _eval_command(arguments: argparse.Namespace) -> int:
         return _paired_command(arguments, thresholds)
     files = arguments.files or _shipped_scenarios()
     if not files:
-        raise _BadScenario("no scenario files given, and no fixtures/eval/ here to run")
+        raise _BadScenario(
+            "no scenario files given, and no fixtures/eval/ here to run: the shipped scenarios"
+            " and thresholds are in a tactmem checkout's fixtures/eval/ (run it there, or name"
+            " scenario files)"
+        )
     scenarios = [(file, *_parse_scenario(_read_eval_file(file), file)) for file in files]
     if arguments.sweep:
         return _sweep_command(arguments, scenarios)

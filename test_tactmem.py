@@ -5187,6 +5187,47 @@ def test_eval_scores_a_scenario_and_checks_every_expectation(
     assert covered[0] == 0 and json.loads(covered[1])["metrics"]["false_retrieval"] == 0.0
 
 
+def test_eval_shows_its_progress_on_a_terminals_standard_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27: eval printed nothing for 20-37 s. On a terminal its standard error counts the
+    scenarios in one line, cleared at the end; piped (as above), it stays empty."""
+
+    class TerminalError(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    files = [scenario_file(first, SCENARIO), scenario_file(second, SCENARIO)]
+    status, out, err = run_cli(capsys, "--json", "eval", *files)
+    assert (status, err) == (0, "")
+    terminal = TerminalError()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert tactmem.main(["--json", "eval", *files]) == 0
+    report, again = json.loads(out), json.loads(capsys.readouterr().out)
+    assert {**report, "cost": None} == {**again, "cost": None}  # the cost holds timings
+    assert terminal.getvalue() == (
+        "\r\x1b[Ktactmem eval: scenario 1 of 2…\r\x1b[Ktactmem eval: scenario 2 of 2…\r\x1b[K"
+    )
+
+
+def test_eval_from_an_install_says_where_the_shipped_scenarios_are(tmp_path: Path) -> None:
+    """Issue 27: a copy of tactmem with no fixtures/eval/ beside it or in the working directory
+    (an install, a vendored file) says where the scenarios are instead of only 'not here'."""
+    shutil.copy(HERE / "tactmem.py", tmp_path / "tactmem.py")
+    ran = subprocess.run(
+        [sys.executable, str(tmp_path / "tactmem.py"), "eval"],
+        capture_output=True, text=True, cwd=tmp_path, env=subprocess_env(), timeout=60,
+    )  # fmt: skip
+    assert (ran.returncode, ran.stdout) == (2, "")
+    assert ran.stderr == (
+        "tactmem: no scenario files given, and no fixtures/eval/ here to run: the shipped"
+        " scenarios and thresholds are in a tactmem checkout's fixtures/eval/ (run it there, or"
+        " name scenario files)\n"
+    )
+
+
 def test_a_wrong_expectation_fails_eval_and_names_its_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
