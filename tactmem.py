@@ -7476,7 +7476,8 @@ def _human(request: _Request, value: Any, now_ms: int, namespace: str = "") -> I
                 yield f"{_ABSTENTIONS[value.reason]} (abstained)"
             for card in value.candidates:
                 key, text = card.key, _displayable(card.preview)
-                yield f"{_key_label(key)} v{key.version}  {card.score:.3f}  {text}"
+                figures = f"{card.score:.3f}  coverage {card.coverage:.2f}"
+                yield f"{_key_label(key)} v{key.version}  {figures}  {text}"
         case "read":
             for record in value:
                 yield _record_heading(record, now_ms)

@@ -7388,8 +7388,14 @@ def test_cli_round_trip(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_human_output(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_cli(capsys, "--db", str(db), "put", "Escape \x1b[31mred\x1b[0m text stays inert.")
+    run_cli(capsys, "--db", str(db), "put", "Plain text is shown as written.")
     status, out, _ = run_cli(capsys, "--db", str(db), "scan", "escape text")
-    assert status == 0 and out.startswith("#1 v1  ")
+    first, second = out.splitlines()  # issue 27: each card's coverage beside its score
+    assert status == 0 and re.fullmatch(r"#1 v1  \d\.\d{3}  coverage 1\.00  Escape .*", first)
+    assert re.fullmatch(r"#2 v1  \d\.\d{3}  coverage 0\.\d\d  Plain text .*", second)
+    (_, answer, _) = run_cli(capsys, "--db", str(db), "--json", "scan", "escape text")
+    cards = json.loads(answer)["candidates"]
+    assert f"coverage {cards[1]['coverage']:.2f}" in second and cards[1]["coverage"] < 1
     assert "\x1b" not in out and "\ufffd[31mred" in out
     status, out, _ = run_cli(capsys, "--db", str(db), "read", "1")
     assert out.splitlines()[0].startswith("#1 v1 · updated 0s ago · scanned 1× · used 1×")
