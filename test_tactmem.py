@@ -7398,7 +7398,7 @@ def test_cli_human_output(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert f"coverage {cards[1]['coverage']:.2f}" in second and cards[1]["coverage"] < 1
     assert "\x1b" not in out and "\ufffd[31mred" in out
     status, out, _ = run_cli(capsys, "--db", str(db), "read", "1")
-    assert out.splitlines()[0].startswith("#1 v1 · updated 0s ago · scanned 1× · used 1×")
+    assert out.splitlines()[0].startswith("#1 v1 · updated 0s ago · scanned 2× · used 1×")
     status, out, _ = run_cli(capsys, "--db", str(db), "list", "--sort", "newest")
     assert "#1 v1" in out and "\x1b" not in out
     status, out, _ = run_cli(capsys, "--db", str(db), "scan", "nothing-shared")
