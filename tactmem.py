@@ -697,7 +697,7 @@ class MemoryDisabled(ConfigError):
     code = "memory_disabled"
 
     def __init__(self, path: str) -> None:
-        super().__init__(f"memory is not enabled in {path}: set [memory] enabled = true")
+        super().__init__(f"memory is not enabled in {path}: run tactmem enable")
 
 
 class _UsageError(Exception):

@@ -3155,7 +3155,7 @@ def test_agent_commands_refuse_a_config_without_memory(
         config = write_config(tmp_path, text)
         status, out, err = run_cli(capsys, "--config", str(config), command)
         assert (status, out) == (1, "")
-        assert err == f"tactmem: memory is not enabled in {config}: set [memory] enabled = true\n"
+        assert err == f"tactmem: memory is not enabled in {config}: run tactmem enable\n"
     assert not (tmp_path / "memory").exists()
     status, _, err = run_cli(capsys, "--config", str(tmp_path / "missing.toml"), command)
     assert status == 1 and err.startswith("tactmem: config file not found") and err.count("\n") == 1
@@ -3176,7 +3176,7 @@ def test_mcp_with_memory_off_starts_and_says_why(tmp_path: Path, child: bool) ->
     from mcp.client.stdio import StdioServerParameters
 
     config = write_config(tmp_path, "[memory]\nenabled = false\n")
-    hint = f"memory is not enabled in {config}: set [memory] enabled = true"
+    hint = f"memory is not enabled in {config}: run tactmem enable"
     parameters = StdioServerParameters(
         command=sys.executable, cwd=str(HERE), env=subprocess_env(),
         args=["-m", "tactmem", "--config", str(config), "mcp", *(["--child"] * child)],
