@@ -5,9 +5,9 @@ test_properties.py.
 
 Citations name documents outside this repository: "reference §N" is section N of
 `../shared/spec/tact-reference.md` (the Tact reference notes) and "SPEC §N" is section N of
-`../shared/SPEC.md`; neither file is in this repository. Where README.md states the rule a test
-checks, read it there: "How it behaves" and its "Decisions" for behaviour and bounds, "Reliability:
-what is tested" for the reliability tests. A number in a test name (`test_ref12_...`) is the
+`../shared/SPEC.md`; neither file is in this repository. Where the documents state the rule a test
+checks, read it there: docs/behaviour.md ("How it behaves" and its "Decisions") for behaviour and
+bounds, docs/reliability.md for the reliability tests. A number in a test name (`test_ref12_...`) is the
 test's number in the reference's test list, reference §12.
 """
 
@@ -315,7 +315,7 @@ def test_every_new_kind_has_three_cases_each_way() -> None:
 
 
 # Sets of credentials, look-alikes and ordinary memories written, one set at a time, by authors
-# who had not seen the rules (README "Secrets" gives their provenance and figures).
+# who had not seen the rules (docs/behaviour.md, "Secrets", gives their provenance and figures).
 INDEPENDENT = HERE / "fixtures" / "secrets" / "independent"
 
 REFERENCE_RULES = {name for name, *_ in tactmem._REFERENCE_RULES}
@@ -621,7 +621,7 @@ def test_plan_scan_clamps_ranks_visible_rows_and_says_why_it_abstains() -> None:
 
 
 def test_coverage_is_the_root_idf_share_of_the_subject_terms_held() -> None:
-    """The README's definition, by hand: function words leave the query, each other term
+    """docs/evaluation.md's definition, by hand: function words leave the query, each other term
     weighs sqrt(idf), and a record holds a term as it is or by its stem."""
     corpus = tactmem._Corpus()
     texts = ["ledgerline migrations run in CI", "ledgerline releases", "the tokio runtime"]
@@ -3442,7 +3442,7 @@ def test_mcp_sdk_is_imported_only_by_the_mcp_command(
         monkeypatch.setitem(sys.modules, name, None)  # as if the extra were not installed
     status, out, err = run_cli(capsys, "--db", str(tmp_path / "m.db"), "mcp")
     assert (status, out) == (1, "")
-    assert err == "tactmem: tactmem mcp needs the MCP SDK: pip install 'tactmem[mcp]'\n"
+    assert err == "tactmem: tactmem mcp needs the MCP SDK: pip install '.[mcp]'\n"
 
 
 @pytest.mark.slow
@@ -6415,7 +6415,7 @@ def test_push_plan_calls_other_content_at_a_seen_version_a_conflict() -> None:
 
 def test_push_plan_after_a_pull_sends_a_record_changed_on_both_sides_as_one_of_its_own() -> None:
     """Changed here and on the server is a conflict until a pull brings the server's version in
-    (README): then this store holds both, and so does the team."""
+    (docs/team.md): then this store holds both, and so does the team."""
     ours = team_at(5, "Text this store saw.")
     mine, edited = local_record(1, ours.content), local_record(1, "Edited here.", 2)
     there = team_at(5, "Edited on the server.", 2)
@@ -6799,7 +6799,7 @@ def test_the_team_tool_reads_by_the_keys_scan_returned(team: TeamServer) -> None
         MemoryTool(Store(":memory:"), root=True, team=True)
 
 
-# `_plan_push` (README, "The push rule"): examples of each case, by team id. The property in
+# `_plan_push` (docs/team.md, "The push rule"): examples of each case, by team id. The property in
 # test_properties.py checks the rule over random stores, links and namespaces.
 
 
@@ -6847,7 +6847,7 @@ def exporting(*records: Any, headers: dict[str, str] | None = None) -> Any:
 
 @pytest.mark.slow
 def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
-    """`push` plans against what the server holds (README, "The push rule"): a record this
+    """`push` plans against what the server holds (docs/team.md, "The push rule"): a record this
     store has never seen is kept, new local records get ids the namespace never used, and a
     second push changes nothing; `pull` merges with fresh local ids."""
     (tmp_path / "work").mkdir()
@@ -8135,10 +8135,10 @@ def test_no_function_is_more_complex_than_grade_c() -> None:
 
 def test_public_api_surface() -> None:
     assert tactmem.__all__ == sorted(tactmem.__all__)
-    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    reference = (HERE / "docs" / "python-api.md").read_text(encoding="utf-8")
     for name in tactmem.__all__:
         assert hasattr(tactmem, name)
-        assert f"`{name}" in readme, f"{name} is not documented in the README"
+        assert f"`{name}" in reference, f"{name} is not documented in docs/python-api.md"
     for name in dir(tactmem):
         value = getattr(tactmem, name)
         if isinstance(value, type) and issubclass(value, TactmemError) and not name.startswith("_"):
@@ -8147,10 +8147,10 @@ def test_public_api_surface() -> None:
 
 
 def test_the_backend_seam_is_documented_member_by_member() -> None:
-    """Each member of `tactmem.core` has its line in README → Architecture, and no line names
-    anything else."""
-    readme = (HERE / "README.md").read_text(encoding="utf-8")
-    documented = re.findall(r"^- `core\.(\w+)` — ", readme, re.MULTILINE)
+    """Each member of `tactmem.core` has its line in docs/architecture.md ("The public seam"),
+    and no line names anything else."""
+    architecture = (HERE / "docs" / "architecture.md").read_text(encoding="utf-8")
+    documented = re.findall(r"^- `core\.(\w+)` — ", architecture, re.MULTILINE)
     members = [name for name in vars(tactmem.core) if not name.startswith("_")]
     assert sorted(documented) == sorted(members) and len(set(documented)) == len(documented)
 
@@ -8242,9 +8242,10 @@ def test_sort_modes_match_the_reference_fixture() -> None:
     }  # fmt: skip
 
 
-# Issue 14: the README's snippet for each host, run with the host's official SDK against a stub
-# model API on 127.0.0.1 that answers with canned tool calls and records the requests the SDK
-# sent; the model is the only thing stubbed. Then every Python block of the README, in order.
+# Issue 14: the snippet for each host (docs/integrating.md), run with the host's official SDK
+# against a stub model API on 127.0.0.1 that answers with canned tool calls and records the
+# requests the SDK sent; the model is the only thing stubbed. Then every fenced block of every
+# document (issue 27): each language has one test that runs every block of it.
 
 LEDGERLINE = "In the `ledgerline` repository, releases are tagged by CI, never by hand."
 
@@ -8333,23 +8334,50 @@ def stubs() -> Iterator[Callable[[Mapping[str, Sequence[dict[str, Any]]]], StubM
         stub.close()
 
 
-def readme_python_blocks() -> list[str]:
-    readme = (HERE / "README.md").read_text(encoding="utf-8")
-    return re.findall(r"^```python\n(.*?)^```$", readme, flags=re.MULTILINE | re.DOTALL)
+# Every document, in reading order: the README for users, docs/ for the reference, the server's
+# and the bench's READMEs. The Python blocks run in this order, in one namespace.
+DOCUMENTS = (
+    "README.md", "docs/python-api.md", "docs/integrating.md", "docs/cli.md",
+    "docs/behaviour.md", "docs/reliability.md", "docs/performance.md", "docs/evaluation.md",
+    "docs/team.md", "docs/server.md", "docs/architecture.md", "docs/development.md",
+    "server/README.md", "bench/README.md",
+)  # fmt: skip
+
+FENCE = re.compile(r"^```(.*)\n(.*?)^```$", flags=re.MULTILINE | re.DOTALL)
 
 
-def readme_block(marker: str) -> str:
-    """The one Python block of the README that contains `marker`."""
-    (block,) = [block for block in readme_python_blocks() if marker in block]
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """Every fenced block of a Markdown text, as `(language, body)`."""
+    return [(found.group(1), found.group(2)) for found in FENCE.finditer(text)]
+
+
+def doc_blocks(language: str) -> list[tuple[str, str]]:
+    """Every block in `language` of every document, in reading order, as `(document, body)`."""
+    return [
+        (name, body)
+        for name in DOCUMENTS
+        for written, body in fenced_blocks((HERE / name).read_text(encoding="utf-8"))
+        if written == language
+    ]
+
+
+def python_blocks() -> list[str]:
+    return [body for _, body in doc_blocks("python")]
+
+
+def doc_block(marker: str) -> str:
+    """The one Python block of the documents that contains `marker`."""
+    (block,) = [block for block in python_blocks() if marker in block]
     return block
 
 
 def run_snippet(block: str, namespace: dict[str, Any]) -> str:
-    """Runs a README block in `namespace` and returns what it printed. (Only stdout is swapped:
-    the mcp SDK, which openai-agents imports, binds `sys.stderr` as a default argument.)"""
+    """Runs a document's block in `namespace` and returns what it printed. (Only stdout is
+    swapped: the mcp SDK, which openai-agents imports, binds `sys.stderr` as a default
+    argument.)"""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(block, "README.md", "exec"), namespace)
+        exec(compile(block, "docs", "exec"), namespace)
     return printed.getvalue()
 
 
@@ -8410,7 +8438,8 @@ def messages_answer(*uses: tuple[str, dict[str, Any]], text: str | None = None) 
 
 
 def host_namespace(store: Store, client: object) -> dict[str, Any]:
-    """What the README's setup block leaves for the host snippets, on a temporary store."""
+    """What the setup block of docs/integrating.md leaves for the host snippets, on a temporary
+    store."""
     return {
         "json": json, "tactmem": tactmem, "store": store, "client": client,
         "root_tool": MemoryTool(store, root=True),
@@ -8455,7 +8484,7 @@ def test_the_stub_model_and_the_loopback_guard(
 def test_openai_chat_completions_strict_snippet(
     tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
 ) -> None:
-    """The README's Chat Completions loop with the `openai` SDK: a strict function tool as the
+    """docs/integrating.md's Chat Completions loop with the `openai` SDK: a strict function tool as the
     API sees it, two parallel calls in one message (a scan with every other field null, a read),
     both answered with `tool` messages in the second request, then the model's text."""
     scan = strict_arguments(operation="scan", query="ledgerline releases tagged")
@@ -8466,7 +8495,7 @@ def test_openai_chat_completions_strict_snippet(
     with Store(tmp_path / "memory.sqlite3") as store:
         store.put(LEDGERLINE)
         namespace = host_namespace(store, openai_client(stub))
-        printed = run_snippet(readme_block("client.chat.completions.create"), namespace)
+        printed = run_snippet(doc_block("client.chat.completions.create"), namespace)
         (record,) = store.list()
         assert store.read([1])[0].use_count == 2  # the model's read, then this one
     assert printed == "CI tags them.\n"
@@ -8501,7 +8530,7 @@ def test_openai_chat_completions_strict_snippet(
 def test_openai_responses_strict_snippet(
     tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
 ) -> None:
-    """The README's Responses API loop with the `openai` SDK: a strict function tool in the
+    """docs/integrating.md's Responses API loop with the `openai` SDK: a strict function tool in the
     Responses shape, a scan and then (next turn) a put, each answered with a
     `function_call_output` item after the model's own items, then the output text; the put is
     in the store, so the scan-before-put gate saw the scan."""
@@ -8515,7 +8544,7 @@ def test_openai_responses_strict_snippet(
     with Store(tmp_path / "memory.sqlite3") as store:
         store.put(LEDGERLINE)
         namespace = host_namespace(store, openai_client(stub))
-        printed = run_snippet(readme_block("client.responses.create"), namespace)
+        printed = run_snippet(doc_block("client.responses.create"), namespace)
         assert [r.content for r in store.list()] == [LEDGERLINE, conclusion]
     assert printed == "Stored.\n"
     first, second, third = stub.bodies(path)
@@ -8542,7 +8571,7 @@ def test_openai_responses_strict_snippet(
 def test_anthropic_messages_snippet(
     tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
 ) -> None:
-    """The README's Messages loop with the `anthropic` SDK: the flat schema (no top-level
+    """docs/integrating.md's Messages loop with the `anthropic` SDK: the flat schema (no top-level
     `oneOf`) as `input_schema`, a `tool_use` block with the fields a flat schema lets the model
     leave out left out, answered by a `tool_result` in a user turn after the model's own turn,
     then the text; and a refused call comes back with `is_error`."""
@@ -8554,7 +8583,7 @@ def test_anthropic_messages_snippet(
     with Store(tmp_path / "memory.sqlite3") as store:
         store.put(LEDGERLINE)
         namespace = host_namespace(store, anthropic_client(stub))
-        printed = run_snippet(readme_block("client.messages.create"), namespace)
+        printed = run_snippet(doc_block("client.messages.create"), namespace)
         assert [r.content for r in store.list()] == [LEDGERLINE]
     assert printed == "CI tags them.\n"
     first, second = stub.bodies(path)
@@ -8589,7 +8618,7 @@ def test_openai_agents_function_tool_snippet(
     api: str, tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """The README's openai-agents snippet, through the SDK's own Runner with its default client
+    """docs/integrating.md's openai-agents snippet, through the SDK's own Runner with its default client
     pointed at the stub (both of its OpenAI models: Responses, the default, and Chat
     Completions): the SDK's strict checker keeps the schema as it is, the request carries it
     with `strict`, the Runner invokes the tool with the model's arguments and sends its answer
@@ -8617,7 +8646,7 @@ def test_openai_agents_function_tool_snippet(
     with Store(tmp_path / "memory.sqlite3") as store:
         store.put(LEDGERLINE)
         namespace = host_namespace(store, None)
-        printed = run_snippet(readme_block("Runner.run_sync"), namespace)
+        printed = run_snippet(doc_block("Runner.run_sync"), namespace)
         assert store.read([1])[0].scan_count == 1  # the model's scan ran, through the Runner
     assert printed == "CI tags them.\n"
     assert namespace["memory"].params_json_schema == STRICT["input_schema"]
@@ -8662,20 +8691,20 @@ def test_openai_agents_strict_checker_on_the_other_variants() -> None:
     assert list(strict_problems(rewritten)) != []
 
 
-def test_every_python_block_in_the_readme_runs(
+def test_every_python_block_of_the_docs_runs(
     tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """Each ```python block of README.md, in order, in one namespace (later blocks continue
-    earlier ones): from a temporary directory, with a config there that enables memory, and
+    """Each ```python block of every document, in reading order, in one namespace (later
+    blocks continue earlier ones): from a temporary directory, with a config there that enables memory, and
     each host snippet's `client` (and the agents SDK's default client) pointing at a stub model
     that scans once and then answers. A block that cannot run fails here."""
     import openai
     from agents import set_tracing_disabled
     from agents.models import _openai_shared
 
-    blocks = readme_python_blocks()
-    assert len(blocks) == 8  # the loader found them: API, export, setup, 4 hosts, checkpoint
+    blocks = python_blocks()
+    assert len(blocks) == 8  # the loader found them: API, setup, 4 hosts, checkpoint, export
     scan = strict_arguments(operation="scan", query="ledgerline releases")
     stub = stubs({
         "/v1/chat/completions": [chat_answer(("c1", scan)), chat_answer(text="chat done")],
@@ -8698,7 +8727,7 @@ def test_every_python_block_in_the_readme_runs(
         openai.AsyncOpenAI(base_url=stub.origin + "/v1", api_key="sk-test-dummy", max_retries=0),
     )  # fmt: skip
     monkeypatch.setattr(_openai_shared, "_use_responses_by_default", True)
-    namespace: dict[str, Any] = {"__name__": "readme"}
+    namespace: dict[str, Any] = {"__name__": "docs"}
     printed = ""
     for block in blocks:
         if "client.messages." in block:
@@ -8718,17 +8747,21 @@ def test_every_python_block_in_the_readme_runs(
 
 
 @pytest.mark.slow
-def test_readme_mcp_servers_snippet_with_the_sdk_client(tmp_path: Path) -> None:
-    """The README's `mcpServers` entries as a host runs them (`tactmem` as `python -m
-    tactmem`, the same command), on a config that enables memory: the `memory` server offers
-    the flat schema and stores, `memory-readonly` offers scan and read only."""
+def test_the_docs_stdio_mcp_servers_with_the_sdk_client(tmp_path: Path) -> None:
+    """Every `mcpServers` entry of the documents that a host starts as a command (the README's,
+    "Connect your host"), as a host runs it (`tactmem` as `python -m tactmem`, the same
+    command), on a config that enables memory: the `memory` server offers the flat schema and
+    stores, `memory-readonly` offers scan and read only."""
     from mcp import Client
     from mcp.client.stdio import StdioServerParameters
 
-    readme = (HERE / "README.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"^```json\n(.*?)^```$", readme, flags=re.MULTILINE | re.DOTALL)
-    (snippet,) = [block for block in blocks if "mcpServers" in block]
-    servers = json.loads(snippet)["mcpServers"]
+    servers = {
+        name: entry
+        for _, block in doc_blocks("json")
+        if "mcpServers" in block
+        for name, entry in json.loads(block)["mcpServers"].items()
+        if "command" in entry
+    }
     assert list(servers) == ["memory", "memory-readonly"]
     (tmp_path / "config.toml").write_text("[memory]\nenabled = true\n")
 

@@ -2416,7 +2416,7 @@ def test_namespace_store_is_one_principals_backend(backend: list[str]) -> None:
 # ============================================================================ safe pushes
 # Issue 25: `tactmem push` (the client, in tactmem.py) plans against the namespace's export and
 # sends the sync with `IF_CHANGES`, so it never rewrites or deletes a record it has not seen
-# (README, "The push rule"). Real `tactmem` processes against a real server on each backend,
+# (docs/team.md, "The push rule"). Real `tactmem` processes against a real server on each backend,
 # some through a relay that acts between the export and the sync.
 
 
@@ -2539,8 +2539,8 @@ def test_push_never_rewrites_a_record_it_has_not_seen(
     bob("put", CHECKLIST)
     before = server.client.export()
     dry = bob("push", "--dry-run")
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    assert f"```\n{dry}```\n" in readme  # "The push rule" shows this very plan
+    team_md = (pathlib.Path(__file__).parent.parent / "docs" / "team.md").read_text()
+    assert f"```text\n{dry}```\n" in team_md  # "The push rule" shows this very plan
     assert dry == (
         "Would push to namespace `bob`, planned against what the server holds now (read just"
         " now; nothing was sent):\n"
@@ -2843,7 +2843,7 @@ def test_an_export_racing_a_replace_on_postgres_never_reverts_it(
 def test_a_pull_settles_a_record_changed_here_and_on_the_server(
     start: Callable[..., Server], tmp_path: pathlib.Path
 ) -> None:
-    """README: a push refused for a conflict; "`tactmem pull` then brings the server's version in
+    """docs/team.md: a push refused for a conflict; "`tactmem pull` then brings the server's version in
     as a record of its own (linked, so it is not a conflict again)". For a record changed here
     and on the server, the push after the pull was refused again, and stayed refused
     (`_Push.change` never asked whether a record here holds the team's version): now this
