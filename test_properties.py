@@ -18,8 +18,8 @@ and the model check.
 Profiles: `ci` (derandomized, no deadline) is loaded when the CI environment variable is set;
 `dev` is a ten times longer local run: `HYPOTHESIS_PROFILE=dev pytest test_properties.py`, and
 `quick`, a tenth of the examples, is the quick loop's (`HYPOTHESIS_PROFILE=quick`,
-docs/development.md); `--hypothesis-profile=dev` cannot work: the profiles are registered here, not in a
-conftest.
+docs/development.md); `--hypothesis-profile=dev` cannot work: the profiles are registered here,
+not in a conftest.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ Citations name documents outside this repository: "reference §N" is section N o
 `../shared/spec/tact-reference.md` (the Tact reference notes) and "SPEC §N" is section N of
 `../shared/SPEC.md`; neither file is in this repository. Where the documents state the rule a test
 checks, read it there: docs/behaviour.md ("How it behaves" and its "Decisions") for behaviour and
-bounds, docs/reliability.md for the reliability tests. A number in a test name (`test_ref12_...`) is the
-test's number in the reference's test list, reference §12.
+bounds, docs/reliability.md for the reliability tests. A number in a test name (`test_ref12_...`)
+is the test's number in the reference's test list, reference §12.
 """
 
 from __future__ import annotations
@@ -8343,7 +8343,7 @@ DOCUMENTS = (
     "server/README.md", "bench/README.md",
 )  # fmt: skip
 
-FENCE = re.compile(r"^```(.*)\n(.*?)^```$", flags=re.MULTILINE | re.DOTALL)
+FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```$", flags=re.MULTILINE | re.DOTALL)
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
@@ -8484,9 +8484,10 @@ def test_the_stub_model_and_the_loopback_guard(
 def test_openai_chat_completions_strict_snippet(
     tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
 ) -> None:
-    """docs/integrating.md's Chat Completions loop with the `openai` SDK: a strict function tool as the
-    API sees it, two parallel calls in one message (a scan with every other field null, a read),
-    both answered with `tool` messages in the second request, then the model's text."""
+    """docs/integrating.md's Chat Completions loop with the `openai` SDK: a strict function
+    tool as the API sees it, two parallel calls in one message (a scan with every other field
+    null, a read), both answered with `tool` messages in the second request, then the model's
+    text."""
     scan = strict_arguments(operation="scan", query="ledgerline releases tagged")
     read = strict_arguments(operation="read", ids=[1])
     path = "/v1/chat/completions"
@@ -8618,8 +8619,8 @@ def test_openai_agents_function_tool_snippet(
     api: str, tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """docs/integrating.md's openai-agents snippet, through the SDK's own Runner with its default client
-    pointed at the stub (both of its OpenAI models: Responses, the default, and Chat
+    """docs/integrating.md's openai-agents snippet, through the SDK's own Runner with its
+    default client pointed at the stub (both of its OpenAI models: Responses, the default, and Chat
     Completions): the SDK's strict checker keeps the schema as it is, the request carries it
     with `strict`, the Runner invokes the tool with the model's arguments and sends its answer
     back, and the run's final output is the model's text."""
@@ -8696,9 +8697,9 @@ def test_every_python_block_of_the_docs_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """Each ```python block of every document, in reading order, in one namespace (later
-    blocks continue earlier ones): from a temporary directory, with a config there that enables memory, and
-    each host snippet's `client` (and the agents SDK's default client) pointing at a stub model
-    that scans once and then answers. A block that cannot run fails here."""
+    blocks continue earlier ones): from a temporary directory, with a config there that enables
+    memory, and each host snippet's `client` (and the agents SDK's default client) pointing at
+    a stub model that scans once and then answers. A block that cannot run fails here."""
     import openai
     from agents import set_tracing_disabled
     from agents.models import _openai_shared
@@ -8735,7 +8736,9 @@ def test_every_python_block_of_the_docs_runs(
         elif "client." in block:
             namespace["client"] = openai_client(stub)
         printed += run_snippet(block, namespace)
-    assert printed.endswith("chat done\nresponses done\nmessages done\nagents done\n")
+    assert printed.endswith(
+        "chat done\nresponses done\nmessages done\nagents done\nMerged(inserted=1, skipped=0)\n"
+    )  # the hosts, then the export block's dry-run merge
     assert stub.answers == {"/v1/chat/completions": [], "/v1/responses": [], "/v1/messages": []}
     assert sorted(os.listdir(tmp_path / "cwd")) == [  # the store, and its scans' side cache
         "example-memory.sqlite3",
@@ -8789,3 +8792,237 @@ def test_the_docs_stdio_mcp_servers_with_the_sdk_client(tmp_path: Path) -> None:
     assert put["error"]["code"] == "not_root"
     with Store(tmp_path / "memory" / "v1.sqlite3") as store:
         assert [r.content for r in store.list()] == ["The MCP snippet in the README works."]
+
+
+# Issue 27: every fenced block of every document is run by the test of its language below, and
+# each of those tests takes every block of its language from every document. `text` blocks are
+# output and pictures: each is named in TEXT_BLOCKS with what checks it.
+
+RUN_BY = {
+    "python": "test_every_python_block_of_the_docs_runs",
+    "sh": "test_every_shell_block_of_the_docs_runs",
+    "json": "test_every_json_block_of_the_docs_is_used",
+    "toml": "test_every_toml_block_of_the_docs_is_a_config_that_loads",
+    "text": "test_every_text_block_of_the_docs_is_vouched_for",
+}
+
+
+def unrun_blocks(text: str) -> list[str]:
+    """What in a document no test would run: a block in a language without a test, and a fence
+    the harness does not read (indented, or never closed)."""
+    blocks = fenced_blocks(text)
+    fences = re.findall(r"^[ \t]*```", text, flags=re.MULTILINE)
+    unread = [] if len(fences) == 2 * len(blocks) else ["a fence the harness does not read"]
+    return unread + [
+        f"block {number} in {language or '(no language)'}"
+        for number, (language, _) in enumerate(blocks, 1)
+        if language not in RUN_BY
+    ]
+
+
+def test_every_block_of_every_document_is_run_by_a_test() -> None:
+    documents = [HERE / "README.md", *(HERE / "docs").glob("*.md")]
+    documents += [*(HERE / "server").glob("*.md"), *(HERE / "bench").glob("*.md")]
+    assert sorted(DOCUMENTS) == sorted(str(path.relative_to(HERE)) for path in documents)
+    for name in DOCUMENTS:
+        assert unrun_blocks((HERE / name).read_text(encoding="utf-8")) == [], name
+    assert all(callable(globals()[test]) for test in RUN_BY.values())
+    assert len(doc_blocks("sh")) >= 10 and len(doc_blocks("text")) == len(TEXT_BLOCKS)
+    doctored = {
+        "Run it:\n\n```sh\ntactmem demo\n```\n": [],
+        "Output:\n\n```\ntactmem: done\n```\n": ["block 1 in (no language)"],
+        "```sh\nls\n```\n\n```bash\nls\n```\n": ["block 2 in bash"],
+        "- a list item:\n\n  ```python\n  print(1)\n  ```\n": ["a fence the harness does not read"],
+        "```python\nprint(1)\n": ["a fence the harness does not read"],
+    }
+    for text, found in doctored.items():
+        assert unrun_blocks(text) == found, text
+
+
+# The commands a shell block may name that a test cannot run here: they install, start a server
+# that runs until stopped, run this suite from inside itself, or reach another host. Each is a
+# stub that records its arguments, and the test checks those; every other command runs for real.
+STUB = """#!{python}
+import json, os, sys
+name, arguments = os.path.basename(sys.argv[0]), sys.argv[1:]
+if name.startswith("python"):
+    if arguments[:2] not in (["-m", "venv"], ["-m", "pytest"]):
+        os.execv({python!r}, [{python!r}, *arguments])
+    if arguments[:2] == ["-m", "venv"]:
+        os.makedirs(os.path.join(arguments[2], "bin"))
+        open(os.path.join(arguments[2], "bin", "activate"), "w").close()
+    name, arguments = " ".join([name, *arguments[:2]]), arguments[2:]
+status = 0
+if name == "tactmem":
+    status = __import__("subprocess").run([{python!r}, "-m", "tactmem", *arguments]).returncode
+with open(os.environ["STUB_LOG"], "a") as log:
+    profile = os.environ.get("HYPOTHESIS_PROFILE")
+    log.write(json.dumps([name, arguments, os.getcwd(), profile, status]) + "\\n")
+"""
+
+STUBBED = ("pip", "python", "python3", "claude", "createdb", "tactmem-server", "tactmem")
+
+
+CLAUDE_ADD = [
+    "mcp", "add", "--transport", "http", "team-memory", "https://memory.example.com/mcp",
+    "--header", "Authorization: Bearer team-token",
+]  # fmt: skip
+
+POSTGRES_URL = "postgresql://tactmem@db.internal/tactmem"
+
+# What the stubs of each document's blocks were given (the rest were not named), and the
+# `tactmem` commands that exit other than 0 (the paired example's verdict is keep disabled).
+SHELL_EXPECTED: dict[str, dict[str, list[Any]]] = {
+    "README.md": {
+        "python3 -m venv": [[".venv"]],
+        "pip": [["install", ".[mcp]"]],
+        "claude": [CLAUDE_ADD],
+        "exit": [[["eval", "--paired", "fixtures/eval/paired/example.jsonl"], 1]],
+    },
+    "docs/development.md": {
+        "pip": [["install", ".[test]", "./server"]],
+        "python -m pytest": [[[], None], [["-m", "not slow"], "quick"]],
+    },
+    "docs/evaluation.md": {"exit": [[["eval", "--paired", "runs.jsonl"], 1]]},
+    "docs/team.md": {"claude": [CLAUDE_ADD]},
+    "docs/server.md": {"claude": [CLAUDE_ADD]},
+    "server/README.md": {
+        "pip": [["install", ".", "./server"]],
+        "createdb": [["-E", "UTF8", "-T", "template0", "tactmem"]],
+        "tactmem-server": [
+            ["--sqlite", "team.sqlite3", "--credentials", "credentials.toml"],
+            ["--postgres", POSTGRES_URL, "--credentials", "credentials.toml"],
+        ],
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("document", sorted({name for name, _ in doc_blocks("sh")}))
+def test_every_shell_block_of_the_docs_runs(document: str, tmp_path: Path) -> None:
+    """Each ```sh block of a document, in order, by `bash -e` in one directory with a home of
+    its own holding what the blocks name: the shipped fixtures, an eval scenario of your own,
+    its thresholds and paired runs, and (but for the README, whose commands make it) a store
+    with one record, which the backup blocks back up and move away. `tactmem` is this
+    checkout's, and each of its commands must exit 0 unless SHELL_EXPECTED says otherwise.
+    Installs, servers, this suite and `claude` are stubs, and what they were given is checked:
+    `pip` installs from the checkout, `tactmem-server` takes its own options and the
+    credentials file the block wrote, `claude` gets the bearer header with the token from the
+    environment."""
+    import tactmem_server
+
+    bin_dir, work, home = tmp_path / "bin", tmp_path / "work", tmp_path / "home"
+    for directory in (bin_dir, work, home):
+        directory.mkdir()
+    for name in STUBBED:
+        (bin_dir / name).write_text(STUB.format(python=sys.executable))
+        (bin_dir / name).chmod(0o755)
+    (work / "fixtures").symlink_to(HERE / "fixtures")
+    shutil.copyfile(EVAL / "contract" / "bounds.jsonl", work / "my-agent.jsonl")
+    (work / "my-thresholds.toml").write_text("[max]\nexpectations_missed = 0\n")
+    shutil.copyfile(EVAL / "paired" / "example.jsonl", work / "runs.jsonl")
+    if document != "README.md":
+        with Store(home / ".tact" / "memory" / "v1.sqlite3") as store:
+            store.put(LEDGERLINE)
+    log = tmp_path / "stubs.jsonl"
+    env = {
+        **subprocess_env(HOME=str(home), STUB_LOG=str(log), TEAM_MEMORY_TOKEN="team-token"),
+        "PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
+    }
+    blocks = [block for name, block in doc_blocks("sh") if name == document]
+    for block in blocks:
+        done = subprocess.run(
+            ["bash", "-e", "-c", block], cwd=work, env=env, capture_output=True, timeout=300
+        )
+        assert done.returncode == 0, (block, done.stderr.decode()[-2000:])
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    given: dict[str, list[Any]] = {}
+    for name, arguments, _, profile, status in calls:
+        if name == "tactmem":
+            given.setdefault("exit", []).extend([[arguments, status]] if status else [])
+        else:
+            given.setdefault(name, []).append(
+                [arguments, profile] if name.endswith("pytest") else arguments
+            )
+    assert {name: found for name, found in given.items() if found} == SHELL_EXPECTED.get(
+        document, {}
+    )
+    for arguments in given.get("tactmem-server", []):
+        options = tactmem_server._parser().parse_args(arguments)
+        principals = tactmem_server.load_credentials(str(work / options.credentials))
+        assert sorted(p.role for p in principals.values()) == ["reader", "writer"]
+        assert stat.S_IMODE((work / "credentials.toml").stat().st_mode) == 0o600
+
+
+def test_every_json_block_of_the_docs_is_used(tmp_path: Path) -> None:
+    """Each ```json block of every document is JSON (one value, or JSON lines), and is used
+    for what it shows: `mcpServers` entries a host starts as a command are run by
+    `test_the_docs_stdio_mcp_servers_with_the_sdk_client`, an entry with a `url` is the team
+    server's `/mcp` (its test in server/test_server.py connects with it), paired runs are judged
+    by `tactmem eval --paired`, and an export file's lines have exactly the fields of a real
+    export's."""
+    with Store(tmp_path / "store.sqlite3") as store:
+        store.put("Releases are tagged by CI")
+        manifest, record = tactmem.export(store).data.decode().splitlines()
+    kinds = []
+    for name, block in doc_blocks("json"):
+        values = [json.loads(line) for line in block.splitlines()] if "\n{" in block.strip() else [
+            json.loads(block)
+        ]  # fmt: skip
+        if "mcpServers" in values[0]:
+            entries = values[0]["mcpServers"].values()
+            kinds += ["stdio" if "command" in entry else "http" for entry in entries]
+            assert all(entry.get("type") == "http" for entry in entries if "url" in entry)
+        elif "task" in values[0]:
+            runs = tmp_path / "runs.jsonl"
+            runs.write_text(block)
+            assert tactmem.main(["eval", "--paired", str(runs)]) in (0, 1), name  # 2: malformed
+            kinds.append("paired")
+        else:
+            (value,) = values
+            line = manifest if value.get("format") == "tactmem-export" else record
+            assert list(value) == list(json.loads(line)), name
+            kinds.append("export")
+    assert sorted(kinds) == ["export", "export", "http", "paired", "stdio", "stdio"]
+
+
+def test_every_toml_block_of_the_docs_is_a_config_that_loads(tmp_path: Path) -> None:
+    """Each ```toml block of every document is a config file: saved as one (0600, as a config
+    holding a token must be), `load_config` reads it and memory is enabled."""
+    blocks = doc_blocks("toml")
+    assert len(blocks) == 4
+    for number, (name, block) in enumerate(blocks):
+        path = tmp_path / str(number) / "config.toml"
+        path.parent.mkdir()
+        path.write_text(block)
+        path.chmod(0o600)
+        config = load_config(str(path))
+        assert config.memory_enabled, name
+        assert (config.remote is None) == ("[memory.remote]" not in block), name
+
+
+# What checks each ```text block, by its first line.
+TEXT_BLOCKS = {
+    "tactmem [--config PATH | --db PATH] [--json] COMMAND": "names every command (below)",
+    "tactmem: export line 7: memory content": (
+        "each message, at its own line: test_a_tampered_export_is_refused_with_nothing_written"
+    ),
+    "{push plan}": "server/test_server.py: test_push_never_rewrites_a_record_it_has_not_seen",
+    "machine: 2 CPUs": "bench/bench.py's output as measured that day, not run again",
+    "MISS  warm ranking p95": "bench/bench.py's output as measured that day, not run again",
+    "warm Store.scan p50 ms": "bench/scale.py's output as measured that day, not run again",
+    " hosts     agent SDKs": "a picture of the layout, which the layout tests check",
+}
+
+
+def test_every_text_block_of_the_docs_is_vouched_for() -> None:
+    """A ```text block is output or a picture: each is named in TEXT_BLOCKS with what checks
+    it, and the synopsis of the command line names exactly the commands `main` knows."""
+    blocks = [
+        "{push plan}" if block.startswith("Would push") else block
+        for _, block in doc_blocks("text")
+    ]
+    vouched = [first for block in blocks for first in TEXT_BLOCKS if block.startswith(first)]
+    assert sorted(vouched) == sorted(TEXT_BLOCKS) and len(blocks) == len(TEXT_BLOCKS)
+    (synopsis,) = [block for _, block in doc_blocks("text") if block.startswith("tactmem [")]
+    assert re.findall(r"^  (\w+)\b", synopsis, flags=re.MULTILINE) == list(tactmem._COMMANDS)

@@ -2843,9 +2843,9 @@ def test_an_export_racing_a_replace_on_postgres_never_reverts_it(
 def test_a_pull_settles_a_record_changed_here_and_on_the_server(
     start: Callable[..., Server], tmp_path: pathlib.Path
 ) -> None:
-    """docs/team.md: a push refused for a conflict; "`tactmem pull` then brings the server's version in
-    as a record of its own (linked, so it is not a conflict again)". For a record changed here
-    and on the server, the push after the pull was refused again, and stayed refused
+    """docs/team.md: a push refused for a conflict; "`tactmem pull` then brings the server's
+    version in as a record of its own (linked, so it is not a conflict again)". For a record
+    changed here and on the server, the push after the pull was refused again, and stayed refused
     (`_Push.change` never asked whether a record here holds the team's version): now this
     store's version goes to the team as a record of its own."""
     server = start()
