@@ -2047,6 +2047,35 @@ def test_mcp_surfaces_follow_the_role(start: Callable[..., Server]) -> None:
 
 
 @pytest.mark.slow
+def test_the_docs_mcp_servers_entry_reaches_the_team_tool(start: Callable[..., Server]) -> None:
+    """docs/server.md's `mcpServers` entry for `/mcp` as a host reads it (the json block test of
+    test_tactmem.py leaves it to this one): its URL and its header, with this server's origin and
+    a writer's token in place of the example's, open a session of the writer's tool, which
+    stores."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    docs = (pathlib.Path(__file__).parent.parent / "docs" / "server.md").read_text()
+    blocks = re.findall(r"^```json\n(.*?)^```$", docs, flags=re.MULTILINE | re.DOTALL)
+    (entry,) = [json.loads(b)["mcpServers"]["team-memory"] for b in blocks if "mcpServers" in b]
+    assert (entry["type"], entry["url"]) == ("http", "https://memory.example.com/mcp")
+    server = start()
+    url = entry["url"].replace("https://memory.example.com", server.url)
+    headers = {name: value.replace("<token>", ALICE) for name, value in entry["headers"].items()}
+
+    async def session() -> Any:
+        http = httpx2.AsyncClient(headers=headers, timeout=60)
+        async with Client(streamable_http_client(url, http_client=http)) as client:
+            await client.call_tool("memory", {"operation": "scan", "query": "docs snippet"})
+            put = {"operation": "put", "content": "The docs' MCP entry reaches the team tool."}
+            return (await client.call_tool("memory", put)).structured_content
+
+    stored = run_async(session)
+    assert stored["memory"]["key"]["namespace"] == "alice"
+
+
+@pytest.mark.slow
 def test_mcp_scan_put_read_delete_round_trip(start: Callable[..., Server]) -> None:
     server = start()
     bob = server.client.put("bob keeps the release checklist in docs/release.md", "bob")
