@@ -4044,7 +4044,7 @@ def _serve_mcp(tool: MemoryTool | None, off: TactmemError | None, *, root: bool)
         import anyio
         from mcp.server.stdio import stdio_server
     except ImportError:
-        raise TactmemError("tactmem mcp needs the MCP SDK: pip install 'tactmem[mcp]'") from None
+        raise TactmemError("tactmem mcp needs the MCP SDK: pip install '.[mcp]'") from None
     # Flat: hosts such as Claude Code refuse a top-level oneOf.
     limits = _DEFAULT_LIMITS if tool is None else tool.store.limits
     definition = tool_definition(

@@ -10,16 +10,16 @@ sequences of `MemoryTool.call`, any argument list to `main`) on stores kept on t
 
 Citations name documents outside this repository: "reference §N" is section N of
 `../shared/spec/tact-reference.md` (the Tact reference notes) and "SPEC §N" is section N of
-`../shared/SPEC.md`; neither file is in this repository. Where README.md states the rule a
-property checks, read it there: "How it behaves" and its "Decisions" for tokenizing, ranking,
-previews, secrets, bounds and storage, "Reliability: what is tested" for the fuzzing and the
-model check.
+`../shared/SPEC.md`; neither file is in this repository. Where the documents state the rule a
+property checks, read it there: docs/behaviour.md ("How it behaves" and its "Decisions") for
+tokenizing, ranking, previews, secrets, bounds and storage, docs/reliability.md for the fuzzing
+and the model check.
 
 Profiles: `ci` (derandomized, no deadline) is loaded when the CI environment variable is set;
 `dev` is a ten times longer local run: `HYPOTHESIS_PROFILE=dev pytest test_properties.py`, and
-`quick`, a tenth of the examples, is the quick loop's (`HYPOTHESIS_PROFILE=quick`, README →
-Development); `--hypothesis-profile=dev` cannot work: the profiles are registered here, not in a
-conftest.
+`quick`, a tenth of the examples, is the quick loop's (`HYPOTHESIS_PROFILE=quick`,
+docs/development.md); `--hypothesis-profile=dev` cannot work: the profiles are registered here,
+not in a conftest.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", max_examples=1000, deadline=None)
-# The quick loop's profile (README → Development): a tenth of the examples, for everyday work.
+# The quick loop's profile (docs/development.md): a tenth of the examples, for everyday work.
 settings.register_profile("quick", max_examples=10, deadline=None)
 if "CI" in os.environ:
     settings.load_profile("ci")
@@ -1141,7 +1141,7 @@ def expected_message(error: type[TactmemError], limits: Limits) -> str:
 
 
 def coverage_of(query: str, content: str, docs: Sequence[str]) -> float:
-    """The README's coverage, computed from its definition: the query's distinct terms less
+    """docs/evaluation.md's coverage, computed from its definition: the query's distinct terms less
     function words (all if none is left), each weighing sqrt(idf) over the visible docs; the
     share of that weight whose terms occur in `content` as they are or by stem."""
     terms = sorted(set(tokenize(query)))
@@ -1747,7 +1747,7 @@ def test_browser_screen_never_leaves_the_window(
 # ============================================================ team memory: push plans (pure)
 
 
-# `_plan_push` (README, "The push rule") over random local stores, team namespaces and links,
+# `_plan_push` (docs/team.md, "The push rule") over random local stores, team namespaces and links,
 # some of them stale, some of another namespace: whatever the links say, a push never gives a
 # key other content, never moves a version back, never reuses an id, and without `--force`
 # never changes a team record that no link of this store saw as it is.

@@ -5,10 +5,10 @@ test_properties.py.
 
 Citations name documents outside this repository: "reference §N" is section N of
 `../shared/spec/tact-reference.md` (the Tact reference notes) and "SPEC §N" is section N of
-`../shared/SPEC.md`; neither file is in this repository. Where README.md states the rule a test
-checks, read it there: "How it behaves" and its "Decisions" for behaviour and bounds, "Reliability:
-what is tested" for the reliability tests. A number in a test name (`test_ref12_...`) is the
-test's number in the reference's test list, reference §12.
+`../shared/SPEC.md`; neither file is in this repository. Where the documents state the rule a test
+checks, read it there: docs/behaviour.md ("How it behaves" and its "Decisions") for behaviour and
+bounds, docs/reliability.md for the reliability tests. A number in a test name (`test_ref12_...`)
+is the test's number in the reference's test list, reference §12.
 """
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ def test_every_new_kind_has_three_cases_each_way() -> None:
 
 
 # Sets of credentials, look-alikes and ordinary memories written, one set at a time, by authors
-# who had not seen the rules (README "Secrets" gives their provenance and figures).
+# who had not seen the rules (docs/behaviour.md, "Secrets", gives their provenance and figures).
 INDEPENDENT = HERE / "fixtures" / "secrets" / "independent"
 
 REFERENCE_RULES = {name for name, *_ in tactmem._REFERENCE_RULES}
@@ -621,7 +621,7 @@ def test_plan_scan_clamps_ranks_visible_rows_and_says_why_it_abstains() -> None:
 
 
 def test_coverage_is_the_root_idf_share_of_the_subject_terms_held() -> None:
-    """The README's definition, by hand: function words leave the query, each other term
+    """docs/evaluation.md's definition, by hand: function words leave the query, each other term
     weighs sqrt(idf), and a record holds a term as it is or by its stem."""
     corpus = tactmem._Corpus()
     texts = ["ledgerline migrations run in CI", "ledgerline releases", "the tokio runtime"]
@@ -3469,7 +3469,7 @@ def test_mcp_sdk_is_imported_only_by_the_mcp_command(
         monkeypatch.setitem(sys.modules, name, None)  # as if the extra were not installed
     status, out, err = run_cli(capsys, "--db", str(tmp_path / "m.db"), "mcp")
     assert (status, out) == (1, "")
-    assert err == "tactmem: tactmem mcp needs the MCP SDK: pip install 'tactmem[mcp]'\n"
+    assert err == "tactmem: tactmem mcp needs the MCP SDK: pip install '.[mcp]'\n"
 
 
 @pytest.mark.slow
@@ -6516,7 +6516,7 @@ def test_push_plan_calls_other_content_at_a_seen_version_a_conflict() -> None:
 
 def test_push_plan_after_a_pull_sends_a_record_changed_on_both_sides_as_one_of_its_own() -> None:
     """Changed here and on the server is a conflict until a pull brings the server's version in
-    (README): then this store holds both, and so does the team."""
+    (docs/team.md): then this store holds both, and so does the team."""
     ours = team_at(5, "Text this store saw.")
     mine, edited = local_record(1, ours.content), local_record(1, "Edited here.", 2)
     there = team_at(5, "Edited on the server.", 2)
@@ -6900,7 +6900,7 @@ def test_the_team_tool_reads_by_the_keys_scan_returned(team: TeamServer) -> None
         MemoryTool(Store(":memory:"), root=True, team=True)
 
 
-# `_plan_push` (README, "The push rule"): examples of each case, by team id. The property in
+# `_plan_push` (docs/team.md, "The push rule"): examples of each case, by team id. The property in
 # test_properties.py checks the rule over random stores, links and namespaces.
 
 
@@ -6948,7 +6948,7 @@ def exporting(*records: Any, headers: dict[str, str] | None = None) -> Any:
 
 @pytest.mark.slow
 def test_push_and_pull(team: TeamServer, tmp_path: Path) -> None:
-    """`push` plans against what the server holds (README, "The push rule"): a record this
+    """`push` plans against what the server holds (docs/team.md, "The push rule"): a record this
     store has never seen is kept, new local records get ids the namespace never used, and a
     second push changes nothing; `pull` merges with fresh local ids."""
     (tmp_path / "work").mkdir()
@@ -8375,10 +8375,10 @@ def test_no_function_is_more_complex_than_grade_c() -> None:
 
 def test_public_api_surface() -> None:
     assert tactmem.__all__ == sorted(tactmem.__all__)
-    readme = (HERE / "README.md").read_text(encoding="utf-8")
+    reference = (HERE / "docs" / "python-api.md").read_text(encoding="utf-8")
     for name in tactmem.__all__:
         assert hasattr(tactmem, name)
-        assert f"`{name}" in readme, f"{name} is not documented in the README"
+        assert f"`{name}" in reference, f"{name} is not documented in docs/python-api.md"
     for name in dir(tactmem):
         value = getattr(tactmem, name)
         if isinstance(value, type) and issubclass(value, TactmemError) and not name.startswith("_"):
@@ -8387,10 +8387,10 @@ def test_public_api_surface() -> None:
 
 
 def test_the_backend_seam_is_documented_member_by_member() -> None:
-    """Each member of `tactmem.core` has its line in README → Architecture, and no line names
-    anything else."""
-    readme = (HERE / "README.md").read_text(encoding="utf-8")
-    documented = re.findall(r"^- `core\.(\w+)` — ", readme, re.MULTILINE)
+    """Each member of `tactmem.core` has its line in docs/architecture.md ("The public seam"),
+    and no line names anything else."""
+    architecture = (HERE / "docs" / "architecture.md").read_text(encoding="utf-8")
+    documented = re.findall(r"^- `core\.(\w+)` — ", architecture, re.MULTILINE)
     members = [name for name in vars(tactmem.core) if not name.startswith("_")]
     assert sorted(documented) == sorted(members) and len(set(documented)) == len(documented)
 
@@ -8482,9 +8482,10 @@ def test_sort_modes_match_the_reference_fixture() -> None:
     }  # fmt: skip
 
 
-# Issue 14: the README's snippet for each host, run with the host's official SDK against a stub
-# model API on 127.0.0.1 that answers with canned tool calls and records the requests the SDK
-# sent; the model is the only thing stubbed. Then every Python block of the README, in order.
+# Issue 14: the snippet for each host (docs/integrating.md), run with the host's official SDK
+# against a stub model API on 127.0.0.1 that answers with canned tool calls and records the
+# requests the SDK sent; the model is the only thing stubbed. Then every fenced block of every
+# document (issue 27): each language has one test that runs every block of it.
 
 LEDGERLINE = "In the `ledgerline` repository, releases are tagged by CI, never by hand."
 
@@ -8573,23 +8574,50 @@ def stubs() -> Iterator[Callable[[Mapping[str, Sequence[dict[str, Any]]]], StubM
         stub.close()
 
 
-def readme_python_blocks() -> list[str]:
-    readme = (HERE / "README.md").read_text(encoding="utf-8")
-    return re.findall(r"^```python\n(.*?)^```$", readme, flags=re.MULTILINE | re.DOTALL)
+# Every document, in reading order: the README for users, docs/ for the reference, the server's
+# and the bench's READMEs. The Python blocks run in this order, in one namespace.
+DOCUMENTS = (
+    "README.md", "docs/python-api.md", "docs/integrating.md", "docs/cli.md",
+    "docs/behaviour.md", "docs/reliability.md", "docs/performance.md", "docs/evaluation.md",
+    "docs/team.md", "docs/server.md", "docs/architecture.md", "docs/development.md",
+    "server/README.md", "bench/README.md",
+)  # fmt: skip
+
+FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```$", flags=re.MULTILINE | re.DOTALL)
 
 
-def readme_block(marker: str) -> str:
-    """The one Python block of the README that contains `marker`."""
-    (block,) = [block for block in readme_python_blocks() if marker in block]
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """Every fenced block of a Markdown text, as `(language, body)`."""
+    return [(found.group(1), found.group(2)) for found in FENCE.finditer(text)]
+
+
+def doc_blocks(language: str) -> list[tuple[str, str]]:
+    """Every block in `language` of every document, in reading order, as `(document, body)`."""
+    return [
+        (name, body)
+        for name in DOCUMENTS
+        for written, body in fenced_blocks((HERE / name).read_text(encoding="utf-8"))
+        if written == language
+    ]
+
+
+def python_blocks() -> list[str]:
+    return [body for _, body in doc_blocks("python")]
+
+
+def doc_block(marker: str) -> str:
+    """The one Python block of the documents that contains `marker`."""
+    (block,) = [block for block in python_blocks() if marker in block]
     return block
 
 
 def run_snippet(block: str, namespace: dict[str, Any]) -> str:
-    """Runs a README block in `namespace` and returns what it printed. (Only stdout is swapped:
-    the mcp SDK, which openai-agents imports, binds `sys.stderr` as a default argument.)"""
+    """Runs a document's block in `namespace` and returns what it printed. (Only stdout is
+    swapped: the mcp SDK, which openai-agents imports, binds `sys.stderr` as a default
+    argument.)"""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(block, "README.md", "exec"), namespace)
+        exec(compile(block, "docs", "exec"), namespace)
     return printed.getvalue()
 
 
@@ -8650,7 +8678,8 @@ def messages_answer(*uses: tuple[str, dict[str, Any]], text: str | None = None) 
 
 
 def host_namespace(store: Store, client: object) -> dict[str, Any]:
-    """What the README's setup block leaves for the host snippets, on a temporary store."""
+    """What the setup block of docs/integrating.md leaves for the host snippets, on a temporary
+    store."""
     return {
         "json": json, "tactmem": tactmem, "store": store, "client": client,
         "root_tool": MemoryTool(store, root=True),
@@ -8695,9 +8724,10 @@ def test_the_stub_model_and_the_loopback_guard(
 def test_openai_chat_completions_strict_snippet(
     tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
 ) -> None:
-    """The README's Chat Completions loop with the `openai` SDK: a strict function tool as the
-    API sees it, two parallel calls in one message (a scan with every other field null, a read),
-    both answered with `tool` messages in the second request, then the model's text."""
+    """docs/integrating.md's Chat Completions loop with the `openai` SDK: a strict function
+    tool as the API sees it, two parallel calls in one message (a scan with every other field
+    null, a read), both answered with `tool` messages in the second request, then the model's
+    text."""
     scan = strict_arguments(operation="scan", query="ledgerline releases tagged")
     read = strict_arguments(operation="read", ids=[1])
     path = "/v1/chat/completions"
@@ -8706,7 +8736,7 @@ def test_openai_chat_completions_strict_snippet(
     with Store(tmp_path / "memory.sqlite3") as store:
         store.put(LEDGERLINE)
         namespace = host_namespace(store, openai_client(stub))
-        printed = run_snippet(readme_block("client.chat.completions.create"), namespace)
+        printed = run_snippet(doc_block("client.chat.completions.create"), namespace)
         (record,) = store.list()
         assert store.read([1])[0].use_count == 2  # the model's read, then this one
     assert printed == "CI tags them.\n"
@@ -8741,7 +8771,7 @@ def test_openai_chat_completions_strict_snippet(
 def test_openai_responses_strict_snippet(
     tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
 ) -> None:
-    """The README's Responses API loop with the `openai` SDK: a strict function tool in the
+    """docs/integrating.md's Responses API loop with the `openai` SDK: a strict function tool in the
     Responses shape, a scan and then (next turn) a put, each answered with a
     `function_call_output` item after the model's own items, then the output text; the put is
     in the store, so the scan-before-put gate saw the scan."""
@@ -8755,7 +8785,7 @@ def test_openai_responses_strict_snippet(
     with Store(tmp_path / "memory.sqlite3") as store:
         store.put(LEDGERLINE)
         namespace = host_namespace(store, openai_client(stub))
-        printed = run_snippet(readme_block("client.responses.create"), namespace)
+        printed = run_snippet(doc_block("client.responses.create"), namespace)
         assert [r.content for r in store.list()] == [LEDGERLINE, conclusion]
     assert printed == "Stored.\n"
     first, second, third = stub.bodies(path)
@@ -8782,7 +8812,7 @@ def test_openai_responses_strict_snippet(
 def test_anthropic_messages_snippet(
     tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel]
 ) -> None:
-    """The README's Messages loop with the `anthropic` SDK: the flat schema (no top-level
+    """docs/integrating.md's Messages loop with the `anthropic` SDK: the flat schema (no top-level
     `oneOf`) as `input_schema`, a `tool_use` block with the fields a flat schema lets the model
     leave out left out, answered by a `tool_result` in a user turn after the model's own turn,
     then the text; and a refused call comes back with `is_error`."""
@@ -8794,7 +8824,7 @@ def test_anthropic_messages_snippet(
     with Store(tmp_path / "memory.sqlite3") as store:
         store.put(LEDGERLINE)
         namespace = host_namespace(store, anthropic_client(stub))
-        printed = run_snippet(readme_block("client.messages.create"), namespace)
+        printed = run_snippet(doc_block("client.messages.create"), namespace)
         assert [r.content for r in store.list()] == [LEDGERLINE]
     assert printed == "CI tags them.\n"
     first, second = stub.bodies(path)
@@ -8829,8 +8859,8 @@ def test_openai_agents_function_tool_snippet(
     api: str, tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """The README's openai-agents snippet, through the SDK's own Runner with its default client
-    pointed at the stub (both of its OpenAI models: Responses, the default, and Chat
+    """docs/integrating.md's openai-agents snippet, through the SDK's own Runner with its
+    default client pointed at the stub (both of its OpenAI models: Responses, the default, and Chat
     Completions): the SDK's strict checker keeps the schema as it is, the request carries it
     with `strict`, the Runner invokes the tool with the model's arguments and sends its answer
     back, and the run's final output is the model's text."""
@@ -8857,7 +8887,7 @@ def test_openai_agents_function_tool_snippet(
     with Store(tmp_path / "memory.sqlite3") as store:
         store.put(LEDGERLINE)
         namespace = host_namespace(store, None)
-        printed = run_snippet(readme_block("Runner.run_sync"), namespace)
+        printed = run_snippet(doc_block("Runner.run_sync"), namespace)
         assert store.read([1])[0].scan_count == 1  # the model's scan ran, through the Runner
     assert printed == "CI tags them.\n"
     assert namespace["memory"].params_json_schema == STRICT["input_schema"]
@@ -8902,20 +8932,20 @@ def test_openai_agents_strict_checker_on_the_other_variants() -> None:
     assert list(strict_problems(rewritten)) != []
 
 
-def test_every_python_block_in_the_readme_runs(
+def test_every_python_block_of_the_docs_runs(
     tmp_path: Path, loopback_only: None, stubs: Callable[..., StubModel],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """Each ```python block of README.md, in order, in one namespace (later blocks continue
-    earlier ones): from a temporary directory, with a config there that enables memory, and
-    each host snippet's `client` (and the agents SDK's default client) pointing at a stub model
-    that scans once and then answers. A block that cannot run fails here."""
+    """Each ```python block of every document, in reading order, in one namespace (later
+    blocks continue earlier ones): from a temporary directory, with a config there that enables
+    memory, and each host snippet's `client` (and the agents SDK's default client) pointing at
+    a stub model that scans once and then answers. A block that cannot run fails here."""
     import openai
     from agents import set_tracing_disabled
     from agents.models import _openai_shared
 
-    blocks = readme_python_blocks()
-    assert len(blocks) == 8  # the loader found them: API, export, setup, 4 hosts, checkpoint
+    blocks = python_blocks()
+    assert len(blocks) == 8  # the loader found them: API, setup, 4 hosts, checkpoint, export
     scan = strict_arguments(operation="scan", query="ledgerline releases")
     stub = stubs({
         "/v1/chat/completions": [chat_answer(("c1", scan)), chat_answer(text="chat done")],
@@ -8938,7 +8968,7 @@ def test_every_python_block_in_the_readme_runs(
         openai.AsyncOpenAI(base_url=stub.origin + "/v1", api_key="sk-test-dummy", max_retries=0),
     )  # fmt: skip
     monkeypatch.setattr(_openai_shared, "_use_responses_by_default", True)
-    namespace: dict[str, Any] = {"__name__": "readme"}
+    namespace: dict[str, Any] = {"__name__": "docs"}
     printed = ""
     for block in blocks:
         if "client.messages." in block:
@@ -8946,7 +8976,9 @@ def test_every_python_block_in_the_readme_runs(
         elif "client." in block:
             namespace["client"] = openai_client(stub)
         printed += run_snippet(block, namespace)
-    assert printed.endswith("chat done\nresponses done\nmessages done\nagents done\n")
+    assert printed.endswith(
+        "chat done\nresponses done\nmessages done\nagents done\nMerged(inserted=1, skipped=0)\n"
+    )  # the hosts, then the export block's dry-run merge
     assert stub.answers == {"/v1/chat/completions": [], "/v1/responses": [], "/v1/messages": []}
     assert sorted(os.listdir(tmp_path / "cwd")) == [  # the store, and its scans' side cache
         "example-memory.sqlite3",
@@ -8958,17 +8990,21 @@ def test_every_python_block_in_the_readme_runs(
 
 
 @pytest.mark.slow
-def test_readme_mcp_servers_snippet_with_the_sdk_client(tmp_path: Path) -> None:
-    """The README's `mcpServers` entries as a host runs them (`tactmem` as `python -m
-    tactmem`, the same command), on a config that enables memory: the `memory` server offers
-    the flat schema and stores, `memory-readonly` offers scan and read only."""
+def test_the_docs_stdio_mcp_servers_with_the_sdk_client(tmp_path: Path) -> None:
+    """Every `mcpServers` entry of the documents that a host starts as a command (the README's,
+    "Connect your host"), as a host runs it (`tactmem` as `python -m tactmem`, the same
+    command), on a config that enables memory: the `memory` server offers the flat schema and
+    stores, `memory-readonly` offers scan and read only."""
     from mcp import Client
     from mcp.client.stdio import StdioServerParameters
 
-    readme = (HERE / "README.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"^```json\n(.*?)^```$", readme, flags=re.MULTILINE | re.DOTALL)
-    (snippet,) = [block for block in blocks if "mcpServers" in block]
-    servers = json.loads(snippet)["mcpServers"]
+    servers = {
+        name: entry
+        for _, block in doc_blocks("json")
+        if "mcpServers" in block
+        for name, entry in json.loads(block)["mcpServers"].items()
+        if "command" in entry
+    }
     assert list(servers) == ["memory", "memory-readonly"]
     (tmp_path / "config.toml").write_text("[memory]\nenabled = true\n")
 
@@ -8996,3 +9032,237 @@ def test_readme_mcp_servers_snippet_with_the_sdk_client(tmp_path: Path) -> None:
     assert put["error"]["code"] == "not_root"
     with Store(tmp_path / "memory" / "v1.sqlite3") as store:
         assert [r.content for r in store.list()] == ["The MCP snippet in the README works."]
+
+
+# Issue 27: every fenced block of every document is run by the test of its language below, and
+# each of those tests takes every block of its language from every document. `text` blocks are
+# output and pictures: each is named in TEXT_BLOCKS with what checks it.
+
+RUN_BY = {
+    "python": "test_every_python_block_of_the_docs_runs",
+    "sh": "test_every_shell_block_of_the_docs_runs",
+    "json": "test_every_json_block_of_the_docs_is_used",
+    "toml": "test_every_toml_block_of_the_docs_is_a_config_that_loads",
+    "text": "test_every_text_block_of_the_docs_is_vouched_for",
+}
+
+
+def unrun_blocks(text: str) -> list[str]:
+    """What in a document no test would run: a block in a language without a test, and a fence
+    the harness does not read (indented, or never closed)."""
+    blocks = fenced_blocks(text)
+    fences = re.findall(r"^[ \t]*```", text, flags=re.MULTILINE)
+    unread = [] if len(fences) == 2 * len(blocks) else ["a fence the harness does not read"]
+    return unread + [
+        f"block {number} in {language or '(no language)'}"
+        for number, (language, _) in enumerate(blocks, 1)
+        if language not in RUN_BY
+    ]
+
+
+def test_every_block_of_every_document_is_run_by_a_test() -> None:
+    documents = [HERE / "README.md", *(HERE / "docs").glob("*.md")]
+    documents += [*(HERE / "server").glob("*.md"), *(HERE / "bench").glob("*.md")]
+    assert sorted(DOCUMENTS) == sorted(str(path.relative_to(HERE)) for path in documents)
+    for name in DOCUMENTS:
+        assert unrun_blocks((HERE / name).read_text(encoding="utf-8")) == [], name
+    assert all(callable(globals()[test]) for test in RUN_BY.values())
+    assert len(doc_blocks("sh")) >= 10 and len(doc_blocks("text")) == len(TEXT_BLOCKS)
+    doctored = {
+        "Run it:\n\n```sh\ntactmem demo\n```\n": [],
+        "Output:\n\n```\ntactmem: done\n```\n": ["block 1 in (no language)"],
+        "```sh\nls\n```\n\n```bash\nls\n```\n": ["block 2 in bash"],
+        "- a list item:\n\n  ```python\n  print(1)\n  ```\n": ["a fence the harness does not read"],
+        "```python\nprint(1)\n": ["a fence the harness does not read"],
+    }
+    for text, found in doctored.items():
+        assert unrun_blocks(text) == found, text
+
+
+# The commands a shell block may name that a test cannot run here: they install, start a server
+# that runs until stopped, run this suite from inside itself, or reach another host. Each is a
+# stub that records its arguments, and the test checks those; every other command runs for real.
+STUB = """#!{python}
+import json, os, sys
+name, arguments = os.path.basename(sys.argv[0]), sys.argv[1:]
+if name.startswith("python"):
+    if arguments[:2] not in (["-m", "venv"], ["-m", "pytest"]):
+        os.execv({python!r}, [{python!r}, *arguments])
+    if arguments[:2] == ["-m", "venv"]:
+        os.makedirs(os.path.join(arguments[2], "bin"))
+        open(os.path.join(arguments[2], "bin", "activate"), "w").close()
+    name, arguments = " ".join([name, *arguments[:2]]), arguments[2:]
+status = 0
+if name == "tactmem":
+    status = __import__("subprocess").run([{python!r}, "-m", "tactmem", *arguments]).returncode
+with open(os.environ["STUB_LOG"], "a") as log:
+    profile = os.environ.get("HYPOTHESIS_PROFILE")
+    log.write(json.dumps([name, arguments, os.getcwd(), profile, status]) + "\\n")
+"""
+
+STUBBED = ("pip", "python", "python3", "claude", "createdb", "tactmem-server", "tactmem")
+
+
+CLAUDE_ADD = [
+    "mcp", "add", "--transport", "http", "team-memory", "https://memory.example.com/mcp",
+    "--header", "Authorization: Bearer team-token",
+]  # fmt: skip
+
+POSTGRES_URL = "postgresql://tactmem@db.internal/tactmem"
+
+# What the stubs of each document's blocks were given (the rest were not named), and the
+# `tactmem` commands that exit other than 0 (the paired example's verdict is keep disabled).
+SHELL_EXPECTED: dict[str, dict[str, list[Any]]] = {
+    "README.md": {
+        "python3 -m venv": [[".venv"]],
+        "pip": [["install", ".[mcp]"]],
+        "claude": [CLAUDE_ADD],
+        "exit": [[["eval", "--paired", "fixtures/eval/paired/example.jsonl"], 1]],
+    },
+    "docs/development.md": {
+        "pip": [["install", ".[test]", "./server"]],
+        "python -m pytest": [[[], None], [["-m", "not slow"], "quick"]],
+    },
+    "docs/evaluation.md": {"exit": [[["eval", "--paired", "runs.jsonl"], 1]]},
+    "docs/team.md": {"claude": [CLAUDE_ADD]},
+    "docs/server.md": {"claude": [CLAUDE_ADD]},
+    "server/README.md": {
+        "pip": [["install", ".", "./server"]],
+        "createdb": [["-E", "UTF8", "-T", "template0", "tactmem"]],
+        "tactmem-server": [
+            ["--sqlite", "team.sqlite3", "--credentials", "credentials.toml"],
+            ["--postgres", POSTGRES_URL, "--credentials", "credentials.toml"],
+        ],
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("document", sorted({name for name, _ in doc_blocks("sh")}))
+def test_every_shell_block_of_the_docs_runs(document: str, tmp_path: Path) -> None:
+    """Each ```sh block of a document, in order, by `bash -e` in one directory with a home of
+    its own holding what the blocks name: the shipped fixtures, an eval scenario of your own,
+    its thresholds and paired runs, and (but for the README, whose commands make it) a store
+    with one record, which the backup blocks back up and move away. `tactmem` is this
+    checkout's, and each of its commands must exit 0 unless SHELL_EXPECTED says otherwise.
+    Installs, servers, this suite and `claude` are stubs, and what they were given is checked:
+    `pip` installs from the checkout, `tactmem-server` takes its own options and the
+    credentials file the block wrote, `claude` gets the bearer header with the token from the
+    environment."""
+    import tactmem_server
+
+    bin_dir, work, home = tmp_path / "bin", tmp_path / "work", tmp_path / "home"
+    for directory in (bin_dir, work, home):
+        directory.mkdir()
+    for name in STUBBED:
+        (bin_dir / name).write_text(STUB.format(python=sys.executable))
+        (bin_dir / name).chmod(0o755)
+    (work / "fixtures").symlink_to(HERE / "fixtures")
+    shutil.copyfile(EVAL / "contract" / "bounds.jsonl", work / "my-agent.jsonl")
+    (work / "my-thresholds.toml").write_text("[max]\nexpectations_missed = 0\n")
+    shutil.copyfile(EVAL / "paired" / "example.jsonl", work / "runs.jsonl")
+    if document != "README.md":
+        with Store(home / ".tact" / "memory" / "v1.sqlite3") as store:
+            store.put(LEDGERLINE)
+    log = tmp_path / "stubs.jsonl"
+    env = {
+        **subprocess_env(HOME=str(home), STUB_LOG=str(log), TEAM_MEMORY_TOKEN="team-token"),
+        "PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
+    }
+    blocks = [block for name, block in doc_blocks("sh") if name == document]
+    for block in blocks:
+        done = subprocess.run(
+            ["bash", "-e", "-c", block], cwd=work, env=env, capture_output=True, timeout=300
+        )
+        assert done.returncode == 0, (block, done.stderr.decode()[-2000:])
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    given: dict[str, list[Any]] = {}
+    for name, arguments, _, profile, status in calls:
+        if name == "tactmem":
+            given.setdefault("exit", []).extend([[arguments, status]] if status else [])
+        else:
+            given.setdefault(name, []).append(
+                [arguments, profile] if name.endswith("pytest") else arguments
+            )
+    assert {name: found for name, found in given.items() if found} == SHELL_EXPECTED.get(
+        document, {}
+    )
+    for arguments in given.get("tactmem-server", []):
+        options = tactmem_server._parser().parse_args(arguments)
+        principals = tactmem_server.load_credentials(str(work / options.credentials))
+        assert sorted(p.role for p in principals.values()) == ["reader", "writer"]
+        assert stat.S_IMODE((work / "credentials.toml").stat().st_mode) == 0o600
+
+
+def test_every_json_block_of_the_docs_is_used(tmp_path: Path) -> None:
+    """Each ```json block of every document is JSON (one value, or JSON lines), and is used
+    for what it shows: `mcpServers` entries a host starts as a command are run by
+    `test_the_docs_stdio_mcp_servers_with_the_sdk_client`, an entry with a `url` is the team
+    server's `/mcp` (its test in server/test_server.py connects with it), paired runs are judged
+    by `tactmem eval --paired`, and an export file's lines have exactly the fields of a real
+    export's."""
+    with Store(tmp_path / "store.sqlite3") as store:
+        store.put("Releases are tagged by CI")
+        manifest, record = tactmem.export(store).data.decode().splitlines()
+    kinds = []
+    for name, block in doc_blocks("json"):
+        values = [json.loads(line) for line in block.splitlines()] if "\n{" in block.strip() else [
+            json.loads(block)
+        ]  # fmt: skip
+        if "mcpServers" in values[0]:
+            entries = values[0]["mcpServers"].values()
+            kinds += ["stdio" if "command" in entry else "http" for entry in entries]
+            assert all(entry.get("type") == "http" for entry in entries if "url" in entry)
+        elif "task" in values[0]:
+            runs = tmp_path / "runs.jsonl"
+            runs.write_text(block)
+            assert tactmem.main(["eval", "--paired", str(runs)]) in (0, 1), name  # 2: malformed
+            kinds.append("paired")
+        else:
+            (value,) = values
+            line = manifest if value.get("format") == "tactmem-export" else record
+            assert list(value) == list(json.loads(line)), name
+            kinds.append("export")
+    assert sorted(kinds) == ["export", "export", "http", "paired", "stdio", "stdio"]
+
+
+def test_every_toml_block_of_the_docs_is_a_config_that_loads(tmp_path: Path) -> None:
+    """Each ```toml block of every document is a config file: saved as one (0600, as a config
+    holding a token must be), `load_config` reads it and memory is enabled."""
+    blocks = doc_blocks("toml")
+    assert len(blocks) == 4
+    for number, (name, block) in enumerate(blocks):
+        path = tmp_path / str(number) / "config.toml"
+        path.parent.mkdir()
+        path.write_text(block)
+        path.chmod(0o600)
+        config = load_config(str(path))
+        assert config.memory_enabled, name
+        assert (config.remote is None) == ("[memory.remote]" not in block), name
+
+
+# What checks each ```text block, by its first line.
+TEXT_BLOCKS = {
+    "tactmem [--config PATH | --db PATH] [--json] COMMAND": "names every command (below)",
+    "tactmem: export line 7: memory content": (
+        "each message, at its own line: test_a_tampered_export_is_refused_with_nothing_written"
+    ),
+    "{push plan}": "server/test_server.py: test_push_never_rewrites_a_record_it_has_not_seen",
+    "machine: 2 CPUs": "bench/bench.py's output as measured that day, not run again",
+    "MISS  warm ranking p95": "bench/bench.py's output as measured that day, not run again",
+    "warm Store.scan p50 ms": "bench/scale.py's output as measured that day, not run again",
+    " hosts     agent SDKs": "a picture of the layout, which the layout tests check",
+}
+
+
+def test_every_text_block_of_the_docs_is_vouched_for() -> None:
+    """A ```text block is output or a picture: each is named in TEXT_BLOCKS with what checks
+    it, and the synopsis of the command line names exactly the commands `main` knows."""
+    blocks = [
+        "{push plan}" if block.startswith("Would push") else block
+        for _, block in doc_blocks("text")
+    ]
+    vouched = [first for block in blocks for first in TEXT_BLOCKS if block.startswith(first)]
+    assert sorted(vouched) == sorted(TEXT_BLOCKS) and len(blocks) == len(TEXT_BLOCKS)
+    (synopsis,) = [block for _, block in doc_blocks("text") if block.startswith("tactmem [")]
+    assert re.findall(r"^  (\w+)\b", synopsis, flags=re.MULTILINE) == list(tactmem._COMMANDS)

@@ -2047,6 +2047,35 @@ def test_mcp_surfaces_follow_the_role(start: Callable[..., Server]) -> None:
 
 
 @pytest.mark.slow
+def test_the_docs_mcp_servers_entry_reaches_the_team_tool(start: Callable[..., Server]) -> None:
+    """docs/server.md's `mcpServers` entry for `/mcp` as a host reads it (the json block test of
+    test_tactmem.py leaves it to this one): its URL and its header, with this server's origin and
+    a writer's token in place of the example's, open a session of the writer's tool, which
+    stores."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    docs = (pathlib.Path(__file__).parent.parent / "docs" / "server.md").read_text()
+    blocks = re.findall(r"^```json\n(.*?)^```$", docs, flags=re.MULTILINE | re.DOTALL)
+    (entry,) = [json.loads(b)["mcpServers"]["team-memory"] for b in blocks if "mcpServers" in b]
+    assert (entry["type"], entry["url"]) == ("http", "https://memory.example.com/mcp")
+    server = start()
+    url = entry["url"].replace("https://memory.example.com", server.url)
+    headers = {name: value.replace("<token>", ALICE) for name, value in entry["headers"].items()}
+
+    async def session() -> Any:
+        http = httpx2.AsyncClient(headers=headers, timeout=60)
+        async with Client(streamable_http_client(url, http_client=http)) as client:
+            await client.call_tool("memory", {"operation": "scan", "query": "docs snippet"})
+            put = {"operation": "put", "content": "The docs' MCP entry reaches the team tool."}
+            return (await client.call_tool("memory", put)).structured_content
+
+    stored = run_async(session)
+    assert stored["memory"]["key"]["namespace"] == "alice"
+
+
+@pytest.mark.slow
 def test_mcp_scan_put_read_delete_round_trip(start: Callable[..., Server]) -> None:
     server = start()
     bob = server.client.put("bob keeps the release checklist in docs/release.md", "bob")
@@ -2416,7 +2445,7 @@ def test_namespace_store_is_one_principals_backend(backend: list[str]) -> None:
 # ============================================================================ safe pushes
 # Issue 25: `tactmem push` (the client, in tactmem.py) plans against the namespace's export and
 # sends the sync with `IF_CHANGES`, so it never rewrites or deletes a record it has not seen
-# (README, "The push rule"). Real `tactmem` processes against a real server on each backend,
+# (docs/team.md, "The push rule"). Real `tactmem` processes against a real server on each backend,
 # some through a relay that acts between the export and the sync.
 
 
@@ -2539,8 +2568,8 @@ def test_push_never_rewrites_a_record_it_has_not_seen(
     bob("put", CHECKLIST)
     before = server.client.export()
     dry = bob("push", "--dry-run")
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    assert f"```\n{dry}```\n" in readme  # "The push rule" shows this very plan
+    team_md = (pathlib.Path(__file__).parent.parent / "docs" / "team.md").read_text()
+    assert f"```text\n{dry}```\n" in team_md  # "The push rule" shows this very plan
     assert dry == (
         "Would push to namespace `bob`, planned against what the server holds now (read just"
         " now; nothing was sent):\n"
@@ -2843,9 +2872,9 @@ def test_an_export_racing_a_replace_on_postgres_never_reverts_it(
 def test_a_pull_settles_a_record_changed_here_and_on_the_server(
     start: Callable[..., Server], tmp_path: pathlib.Path
 ) -> None:
-    """README: a push refused for a conflict; "`tactmem pull` then brings the server's version in
-    as a record of its own (linked, so it is not a conflict again)". For a record changed here
-    and on the server, the push after the pull was refused again, and stayed refused
+    """docs/team.md: a push refused for a conflict; "`tactmem pull` then brings the server's
+    version in as a record of its own (linked, so it is not a conflict again)". For a record
+    changed here and on the server, the push after the pull was refused again, and stayed refused
     (`_Push.change` never asked whether a record here holds the team's version): now this
     store's version goes to the team as a record of its own."""
     server = start()
