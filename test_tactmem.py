@@ -9169,6 +9169,7 @@ def test_every_shell_block_of_the_docs_runs(document: str, tmp_path: Path) -> No
         **subprocess_env(HOME=str(home), STUB_LOG=str(log), TEAM_MEMORY_TOKEN="team-token"),
         "PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
     }
+    env.pop("HYPOTHESIS_PROFILE", None)  # the blocks set it where they mean to, not the caller
     blocks = [block for name, block in doc_blocks("sh") if name == document]
     for block in blocks:
         done = subprocess.run(
@@ -9192,6 +9193,9 @@ def test_every_shell_block_of_the_docs_runs(document: str, tmp_path: Path) -> No
         principals = tactmem_server.load_credentials(str(work / options.credentials))
         assert sorted(p.role for p in principals.values()) == ["reader", "writer"]
         assert stat.S_IMODE((work / "credentials.toml").stat().st_mode) == 0o600
+    if document == "README.md":  # `tactmem enable`, `disable`, `enable` left memory on, privately
+        config = home / ".tact" / "config.toml"
+        assert load_config(config).memory_enabled and stat.S_IMODE(config.stat().st_mode) == 0o600
 
 
 def test_every_json_block_of_the_docs_is_used(tmp_path: Path) -> None:
