@@ -1806,6 +1806,16 @@ def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return value
 
 
+def _strict_json(data: str | bytes) -> Any:
+    """`data` as strict JSON (no repeated field, NaN or Infinity); None when it is not."""
+    import json
+
+    try:
+        return json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_once)
+    except (ValueError, RecursionError):
+        return None
+
+
 def _check_line(
     where: str,
     value: Mapping[str, Any],
@@ -4892,15 +4902,10 @@ class _EvalStep(NamedTuple):
 
 def _json_lines(text: str, source: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """The objects of a JSON-lines file, each with its `file:line`; blank lines are skipped."""
-    import json
-
     for number, line in enumerate(text.split("\n"), start=1):  # not U+2028 and the like
         if line.strip():
             where = f"{source}:{number}"
-            try:
-                value = json.loads(line, parse_constant=_reject_constant, object_pairs_hook=_once)
-            except (ValueError, RecursionError):
-                value = None
+            value = _strict_json(line)
             if not isinstance(value, dict):
                 raise _BadScenario(f"{where}: not a JSON object (or one that repeats a field)")
             yield where, value
@@ -5746,12 +5751,7 @@ def _fits(value: Any, shape: _Shape) -> bool:
 def _remote_answer(route: str, data: bytes) -> Any:
     """A success answer of `route`: strict JSON (no repeated field, NaN or Infinity) of the
     route's shape (`_REMOTE_ANSWERS`)."""
-    import json
-
-    try:
-        answer = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_once)
-    except (ValueError, RecursionError):
-        answer = None  # fits no shape
+    answer = _strict_json(data)  # None fits no shape
     if not _fits(answer, _REMOTE_ANSWERS[route]):
         raise RemoteInvalid()
     return answer
@@ -5902,9 +5902,8 @@ def _team_facts(headers: Mapping[str, str]) -> _TeamFacts | None:
         return None
     if not all(value is not None and _SIGNED.fullmatch(value) for value in values):
         raise RemoteInvalid()
-    facts = _TeamFacts(*(int(value or "") for value in values))
-    in_range = -_MAX_SQL_INT - 1 <= facts.changes <= _MAX_SQL_INT  # a counter that wraps
-    if not (in_range and _addressable(facts.next_id) and 0 <= facts.records <= _MAX_SQL_INT):
+    facts = _TeamFacts(*(int(value or "") for value in values))  # `changes` may wrap: signed
+    if not (_is_sql_int(facts.changes) and _is_id(facts.next_id) and _is_count(facts.records)):
         raise RemoteInvalid()
     return facts
 
@@ -6088,11 +6087,10 @@ class _Push:
     ) -> None:  # fmt: skip
         self.there = {record.key.id: record for record in remote}
         self.namespace, self.force = namespace, force
-        self.highest: dict[int, int] = {}  # team id -> the highest version a link of it saw
-        for link in known:
-            if link.namespace == namespace:
-                seen = self.highest.get(link.remote_id, 0)
-                self.highest[link.remote_id] = max(seen, link.remote_version)
+        ours = [
+            (link.remote_id, link.remote_version) for link in known if link.namespace == namespace
+        ]
+        self.highest = dict(sorted(ours))  # team id -> the highest version a link of it saw
         as_seen = {i: link for i, link in chosen.items() if _as_seen(link, self.there)}
         self.seen = {link.remote_id for link in as_seen.values()}  # seen as it is now
         self.held = {link.remote_id for i, link in as_seen.items() if i in here}  # and held here
@@ -6837,20 +6835,13 @@ class _TeamLinks:
     def _document(self) -> dict[str, Any]:
         """The file, checked: one that is damaged or not a regular file is an error, never a
         store with no links (a push would then see nothing as seen)."""
-        import json
-
         try:
             data = _read_small_file(self.path, _LINKS_BYTES)
         except FileNotFoundError:
             return {}
         except (OSError, ValueError):
             data = None
-        try:
-            found = json.loads(
-                data or b"", parse_constant=_reject_constant, object_pairs_hook=_once
-            )
-        except (ValueError, RecursionError):
-            found = None
+        found = _strict_json(data or b"")
         if data is None or len(data) > _LINKS_BYTES or not _links_document(found):
             raise StorageError(_LINKS_DAMAGED.format(self.path))
         document: dict[str, Any] = found
