@@ -2322,23 +2322,6 @@ def _converter() -> Any:
     return converter
 
 
-_ID_SCHEMA: Final = {"type": "integer", "minimum": 1, "maximum": _MAX_SQL_INT}
-_KEY_SCHEMA: Final = {
-    "type": "object",
-    "properties": {"id": _ID_SCHEMA, "version": _ID_SCHEMA},
-    "required": ["id", "version"],
-    "additionalProperties": False,
-}
-_NULLABLE_TIME: Final = {"type": ["integer", "null"]}
-_NAMESPACE_SCHEMA: Final = {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"}
-# An answer's key: a team memory record's also names its namespace (`RemoteKey`).
-_ANSWER_KEY_SCHEMA: Final = {
-    **_KEY_SCHEMA,
-    "properties": {"id": _ID_SCHEMA, "version": _ID_SCHEMA, "namespace": _NAMESPACE_SCHEMA},
-}
-_READ_KEY_SCHEMA: Final = {**_ANSWER_KEY_SCHEMA, "required": ["id", "version", "namespace"]}
-
-
 def _closed(
     properties: Mapping[str, Any], required: Sequence[str] = (), description: str = ""
 ) -> dict[str, Any]:
@@ -2350,6 +2333,16 @@ def _closed(
         "required": list(required or properties),
         "additionalProperties": False,
     }
+
+
+_ID_SCHEMA: Final = {"type": "integer", "minimum": 1, "maximum": _MAX_SQL_INT}
+_KEY_SCHEMA: Final = _closed({"id": _ID_SCHEMA, "version": _ID_SCHEMA})
+_NULLABLE_TIME: Final = {"type": ["integer", "null"]}
+_NAMESPACE_SCHEMA: Final = {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"}
+# An answer's key: a team memory record's also names its namespace (`RemoteKey`).
+_TEAM_KEY: Final = {"id": _ID_SCHEMA, "version": _ID_SCHEMA, "namespace": _NAMESPACE_SCHEMA}
+_ANSWER_KEY_SCHEMA: Final = _closed(_TEAM_KEY, ["id", "version"])
+_READ_KEY_SCHEMA: Final = _closed(_TEAM_KEY)
 
 
 def _output_schema(limits: Limits) -> dict[str, Any]:
@@ -5706,6 +5699,7 @@ def _paired_command(arguments: argparse.Namespace, thresholds: Mapping[str, Any]
 _EXPORT_PAGE: Final = 128  # the most records one export page may hold
 _SYNC_COUNTS: Final = ("inserted", "replaced", "unchanged", "deleted")
 _INCOMPATIBLE: Final = "remote memory server speaks another protocol (is the endpoint right?)"
+_MISMATCH: Final = "remote memory namespace does not match the credential"
 
 
 # The shape of every answer, by route: what each field holds, as a check, the shape of an
@@ -5847,9 +5841,7 @@ _REMOTE_FAILURES: Final[dict[str, Callable[[], TactmemError]]] = {
     "query_too_large": lambda: QueryTooLarge(_DEFAULT_LIMITS.query_bytes),
     "bad_request": lambda: InvalidRequest("remote memory server refused the request as invalid"),
     "unauthorized": lambda: RemoteDenied("remote memory server rejected the bearer token"),
-    "namespace_mismatch": lambda: RemoteDenied(
-        "remote memory namespace does not match the credential"
-    ),
+    "namespace_mismatch": lambda: RemoteDenied(_MISMATCH),
     "forbidden": lambda: RemoteDenied(
         "remote memory credential may not make this change (it is read-only, or the record"
         " is another namespace's)"
@@ -6435,7 +6427,7 @@ class RemoteStore:
             if answer["protocol_version"] != 1 or type(answer["protocol_version"]) is not int:
                 raise RemoteDenied(_INCOMPATIBLE)
             if answer["namespace"] != self.namespace:
-                raise RemoteDenied("remote memory namespace does not match the credential")
+                raise RemoteDenied(_MISMATCH)
             self._role = answer["role"]
         return self._role
 
@@ -6585,12 +6577,10 @@ class RemoteStore:
                 try:
                     status, retry_after, answer, noted = self._exchange(route, data, sent or {})
                 except _NotConnected:
-                    if backoff is None:
-                        raise RemoteUnavailable(
-                            "remote memory server could not be reached"
-                        ) from None
-                    time.sleep(backoff)
-                    continue
+                    if backoff is not None:
+                        time.sleep(backoff)
+                        continue
+                    raise RemoteUnavailable("remote memory server could not be reached") from None
                 if 200 <= status < 300:
                     return _remote_answer(route, answer), noted
                 if status in _RETRIED and route in _REPEATABLE and backoff is not None:
