@@ -4623,10 +4623,8 @@ def _browse_screen(state: _Browser, width: int, height: int) -> list[tuple[str, 
     """
     if width < 1 or height < 1:
         return []
-    if state.view == "detail" and state.current() is not None:
-        lines = _detail_lines(state, width, height)
-    else:
-        lines = _list_lines(state, width, height)
+    detail = state.view == "detail" and state.current() is not None
+    lines = (_detail_lines if detail else _list_lines)(state, width, height)
     footer = state.status or (
         "↑↓ scroll · PgUp/PgDn · d delete · r reload · Esc back"
         if state.view == "detail"
@@ -5665,10 +5663,8 @@ def _sweep_command(
     """`tactmem eval --sweep`: the curve, from one run (scans leave the ranking as it was)."""
     runs = _run_scenarios(scenarios, 0.0, _SWEEP)
     rows = [(x, _retrieval([scan for run in runs for scan in run.swept[x]])) for x in _SWEEP]
-    if arguments.json:
-        print(_json([{"min_coverage": x, **figures} for x, figures in rows]))
-    else:
-        print("\n".join(_sweep_lines(rows)))
+    curve = [{"min_coverage": x, **figures} for x, figures in rows]
+    print(_json(curve) if arguments.json else "\n".join(_sweep_lines(rows)))
     missed = sum(len(run.missed) for run in runs)
     if missed:
         print(f"tactmem: {missed} expectations missed; run without --sweep to see them",
@@ -6674,9 +6670,9 @@ class RemoteStore:
                 failure = error
                 if deadline.expired:
                     break
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
+            else:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return sock
         raise failure
 
     def _send(
