@@ -4446,15 +4446,13 @@ class _Browser:
     def shown(self) -> list[Record]:
         """The records matching the filter (content, or the label without `#`), sorted."""
         query = self.query.casefold()
-        return _sorted_records(
-            (
-                record
-                for record in self.records
-                if query in record.content.casefold()
-                or self.query in _key_label(record.key).removeprefix("#")
-            ),
-            self.sort,
+        matching = (
+            record
+            for record in self.records
+            if query in record.content.casefold()
+            or self.query in _key_label(record.key).removeprefix("#")
         )
+        return _sorted_records(matching, self.sort)
 
     def position(self) -> int:
         shown = self.shown()
