@@ -5243,9 +5243,7 @@ def _eval_report(
         "telemetry": {
             "scan_calls": sum(len(run.latency_ms.get("scan", [])) for run in runs),
             "read_calls": sum(len(run.latency_ms.get("read", [])) for run in runs),
-            "scan_marks": telemetry["scan_marks"],
-            "use_marks": telemetry["use_marks"],
-            "scanned_never_read": telemetry["scanned_never_read"],
+            **{name: telemetry[name] for name in ("scan_marks", "use_marks", "scanned_never_read")},
         },
         "cost": _costs(runs),
     }
