@@ -6489,8 +6489,6 @@ class RemoteStore:
         (`_screened`); and what a tactmem-server says of the namespace (None: the server says
         nothing). A `Conflict` when the namespace changed between the pages."""
         records, dropped, facts = self._export([self.namespace])
-        if set(facts) == {None}:
-            return records, dropped, None
         if len(set(facts)) > 1:
             raise Conflict()
         return records, dropped, facts[0]
