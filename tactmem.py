@@ -6136,8 +6136,7 @@ class _Push:
         team = self.there.get(link.remote_id)
         if team is None or team.key.id in claimed or self.result[team.key.id] is None:
             return
-        deadline = link.local_probation_until_ms
-        if deadline is not None and deadline <= now_ms:
+        if _expired(0, link.local_probation_until_ms, now_ms):  # a read one has no deadline
             return
         if _as_seen(link, self.there) or self.force:
             self.result[team.key.id] = None
