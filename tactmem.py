@@ -1806,6 +1806,16 @@ def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return value
 
 
+def _strict_json(data: str | bytes) -> Any:
+    """`data` as strict JSON (no repeated field, NaN or Infinity); None when it is not."""
+    import json
+
+    try:
+        return json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_once)
+    except (ValueError, RecursionError):
+        return None
+
+
 def _check_line(
     where: str,
     value: Mapping[str, Any],
@@ -2314,23 +2324,6 @@ def _converter() -> Any:
     return converter
 
 
-_ID_SCHEMA: Final = {"type": "integer", "minimum": 1, "maximum": _MAX_SQL_INT}
-_KEY_SCHEMA: Final = {
-    "type": "object",
-    "properties": {"id": _ID_SCHEMA, "version": _ID_SCHEMA},
-    "required": ["id", "version"],
-    "additionalProperties": False,
-}
-_NULLABLE_TIME: Final = {"type": ["integer", "null"]}
-_NAMESPACE_SCHEMA: Final = {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"}
-# An answer's key: a team memory record's also names its namespace (`RemoteKey`).
-_ANSWER_KEY_SCHEMA: Final = {
-    **_KEY_SCHEMA,
-    "properties": {"id": _ID_SCHEMA, "version": _ID_SCHEMA, "namespace": _NAMESPACE_SCHEMA},
-}
-_READ_KEY_SCHEMA: Final = {**_ANSWER_KEY_SCHEMA, "required": ["id", "version", "namespace"]}
-
-
 def _closed(
     properties: Mapping[str, Any], required: Sequence[str] = (), description: str = ""
 ) -> dict[str, Any]:
@@ -2342,6 +2335,16 @@ def _closed(
         "required": list(required or properties),
         "additionalProperties": False,
     }
+
+
+_ID_SCHEMA: Final = {"type": "integer", "minimum": 1, "maximum": _MAX_SQL_INT}
+_KEY_SCHEMA: Final = _closed({"id": _ID_SCHEMA, "version": _ID_SCHEMA})
+_NULLABLE_TIME: Final = {"type": ["integer", "null"]}
+_NAMESPACE_SCHEMA: Final = {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"}
+# An answer's key: a team memory record's also names its namespace (`RemoteKey`).
+_TEAM_KEY: Final = {"id": _ID_SCHEMA, "version": _ID_SCHEMA, "namespace": _NAMESPACE_SCHEMA}
+_ANSWER_KEY_SCHEMA: Final = _closed(_TEAM_KEY, ["id", "version"])
+_READ_KEY_SCHEMA: Final = _closed(_TEAM_KEY)
 
 
 def _output_schema(limits: Limits) -> dict[str, Any]:
@@ -4534,18 +4537,16 @@ class _Browser:
         """The records matching the filter (content, or the label without `#`) and the scope,
         sorted."""
         query = self.query.casefold()
-        return _sorted_records(
-            (
-                record
-                for record in self.records
-                if (
-                    query in record.content.casefold()
-                    or self.query in _key_label(record.key).removeprefix("#")
-                )
-                and (not self.own_only or getattr(record.key, "namespace", "") == self.team)
-            ),
-            self.sort,
+        matching = (
+            record
+            for record in self.records
+            if (
+                query in record.content.casefold()
+                or self.query in _key_label(record.key).removeprefix("#")
+            )
+            and (not self.own_only or getattr(record.key, "namespace", "") == self.team)
         )
+        return _sorted_records(matching, self.sort)
 
     def position(self) -> int:
         shown = self.shown()
@@ -4728,10 +4729,8 @@ def _browse_screen(state: _Browser, width: int, height: int) -> list[tuple[str, 
     """
     if width < 1 or height < 1:
         return []
-    if state.view == "detail" and state.current() is not None:
-        lines = _detail_lines(state, width, height)
-    else:
-        lines = _list_lines(state, width, height)
+    detail = state.view == "detail" and state.current() is not None
+    lines = (_detail_lines if detail else _list_lines)(state, width, height)
     body = lines[: height - 1]
     footer = state.status or _footer(state, width)
     screen = [*body, *[("", "")] * (height - 1 - len(body)), ("status", " " + footer)]
@@ -5019,15 +5018,10 @@ class _EvalStep(NamedTuple):
 
 def _json_lines(text: str, source: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """The objects of a JSON-lines file, each with its `file:line`; blank lines are skipped."""
-    import json
-
     for number, line in enumerate(text.split("\n"), start=1):  # not U+2028 and the like
         if line.strip():
             where = f"{source}:{number}"
-            try:
-                value = json.loads(line, parse_constant=_reject_constant, object_pairs_hook=_once)
-            except (ValueError, RecursionError):
-                value = None
+            value = _strict_json(line)
             if not isinstance(value, dict):
                 raise _BadScenario(f"{where}: not a JSON object (or one that repeats a field)")
             yield where, value
@@ -5376,9 +5370,7 @@ def _eval_report(
         "telemetry": {
             "scan_calls": sum(len(run.latency_ms.get("scan", [])) for run in runs),
             "read_calls": sum(len(run.latency_ms.get("read", [])) for run in runs),
-            "scan_marks": telemetry["scan_marks"],
-            "use_marks": telemetry["use_marks"],
-            "scanned_never_read": telemetry["scanned_never_read"],
+            **{name: telemetry[name] for name in ("scan_marks", "use_marks", "scanned_never_read")},
         },
         "cost": _costs(runs),
     }
@@ -5808,10 +5800,8 @@ def _sweep_command(
     """`tactmem eval --sweep`: the curve, from one run (scans leave the ranking as it was)."""
     runs = _run_scenarios(scenarios, 0.0, _SWEEP)
     rows = [(x, _retrieval([scan for run in runs for scan in run.swept[x]])) for x in _SWEEP]
-    if arguments.json:
-        print(_json([{"min_coverage": x, **figures} for x, figures in rows]))
-    else:
-        print("\n".join(_sweep_lines(rows)))
+    curve = [{"min_coverage": x, **figures} for x, figures in rows]
+    print(_json(curve) if arguments.json else "\n".join(_sweep_lines(rows)))
     missed = sum(len(run.missed) for run in runs)
     if missed:
         print(f"tactmem: {missed} expectations missed; run without --sweep to see them",
@@ -5842,6 +5832,7 @@ def _paired_command(arguments: argparse.Namespace, thresholds: Mapping[str, Any]
 _EXPORT_PAGE: Final = 128  # the most records one export page may hold
 _SYNC_COUNTS: Final = ("inserted", "replaced", "unchanged", "deleted")
 _INCOMPATIBLE: Final = "remote memory server speaks another protocol (is the endpoint right?)"
+_MISMATCH: Final = "remote memory namespace does not match the credential"
 
 
 # The shape of every answer, by route: what each field holds, as a check, the shape of an
@@ -5887,12 +5878,7 @@ def _fits(value: Any, shape: _Shape) -> bool:
 def _remote_answer(route: str, data: bytes) -> Any:
     """A success answer of `route`: strict JSON (no repeated field, NaN or Infinity) of the
     route's shape (`_REMOTE_ANSWERS`)."""
-    import json
-
-    try:
-        answer = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_once)
-    except (ValueError, RecursionError):
-        answer = None  # fits no shape
+    answer = _strict_json(data)  # None fits no shape
     if not _fits(answer, _REMOTE_ANSWERS[route]):
         raise RemoteInvalid()
     return answer
@@ -5988,9 +5974,7 @@ _REMOTE_FAILURES: Final[dict[str, Callable[[], TactmemError]]] = {
     "query_too_large": lambda: QueryTooLarge(_DEFAULT_LIMITS.query_bytes),
     "bad_request": lambda: InvalidRequest("remote memory server refused the request as invalid"),
     "unauthorized": lambda: RemoteDenied("remote memory server rejected the bearer token"),
-    "namespace_mismatch": lambda: RemoteDenied(
-        "remote memory namespace does not match the credential"
-    ),
+    "namespace_mismatch": lambda: RemoteDenied(_MISMATCH),
     "forbidden": lambda: RemoteDenied(
         "remote memory credential may not make this change (it is read-only, or the record"
         " is another namespace's)"
@@ -6043,9 +6027,8 @@ def _team_facts(headers: Mapping[str, str]) -> _TeamFacts | None:
         return None
     if not all(value is not None and _SIGNED.fullmatch(value) for value in values):
         raise RemoteInvalid()
-    facts = _TeamFacts(*(int(value or "") for value in values))
-    in_range = -_MAX_SQL_INT - 1 <= facts.changes <= _MAX_SQL_INT  # a counter that wraps
-    if not (in_range and _addressable(facts.next_id) and 0 <= facts.records <= _MAX_SQL_INT):
+    facts = _TeamFacts(*(int(value or "") for value in values))  # `changes` may wrap: signed
+    if not (_is_sql_int(facts.changes) and _is_id(facts.next_id) and _is_count(facts.records)):
         raise RemoteInvalid()
     return facts
 
@@ -6229,11 +6212,10 @@ class _Push:
     ) -> None:  # fmt: skip
         self.there = {record.key.id: record for record in remote}
         self.namespace, self.force = namespace, force
-        self.highest: dict[int, int] = {}  # team id -> the highest version a link of it saw
-        for link in known:
-            if link.namespace == namespace:
-                seen = self.highest.get(link.remote_id, 0)
-                self.highest[link.remote_id] = max(seen, link.remote_version)
+        ours = [
+            (link.remote_id, link.remote_version) for link in known if link.namespace == namespace
+        ]
+        self.highest = dict(sorted(ours))  # team id -> the highest version a link of it saw
         as_seen = {i: link for i, link in chosen.items() if _as_seen(link, self.there)}
         self.seen = {link.remote_id for link in as_seen.values()}  # seen as it is now
         self.held = {link.remote_id for i, link in as_seen.items() if i in here}  # and held here
@@ -6295,8 +6277,7 @@ class _Push:
         team = self.there.get(link.remote_id)
         if team is None or team.key.id in claimed or self.result[team.key.id] is None:
             return
-        deadline = link.local_probation_until_ms
-        if deadline is not None and deadline <= now_ms:
+        if _expired(0, link.local_probation_until_ms, now_ms):  # a read one has no deadline
             return
         if _as_seen(link, self.there) or self.force:
             self.result[team.key.id] = None
@@ -6578,7 +6559,7 @@ class RemoteStore:
             if answer["protocol_version"] != 1 or type(answer["protocol_version"]) is not int:
                 raise RemoteDenied(_INCOMPATIBLE)
             if answer["namespace"] != self.namespace:
-                raise RemoteDenied("remote memory namespace does not match the credential")
+                raise RemoteDenied(_MISMATCH)
             self._role = answer["role"]
         return self._role
 
@@ -6648,8 +6629,6 @@ class RemoteStore:
         (`_screened`); and what a tactmem-server says of the namespace (None: the server says
         nothing). A `Conflict` when the namespace changed between the pages."""
         records, dropped, facts = self._export([self.namespace])
-        if set(facts) == {None}:
-            return records, dropped, None
         if len(set(facts)) > 1:
             raise Conflict()
         return records, dropped, facts[0]
@@ -6728,12 +6707,10 @@ class RemoteStore:
                 try:
                     status, retry_after, answer, noted = self._exchange(route, data, sent or {})
                 except _NotConnected:
-                    if backoff is None:
-                        raise RemoteUnavailable(
-                            "remote memory server could not be reached"
-                        ) from None
-                    time.sleep(backoff)
-                    continue
+                    if backoff is not None:
+                        time.sleep(backoff)
+                        continue
+                    raise RemoteUnavailable("remote memory server could not be reached") from None
                 if 200 <= status < 300:
                     return _remote_answer(route, answer), noted
                 if status in _RETRIED and route in _REPEATABLE and backoff is not None:
@@ -6827,9 +6804,9 @@ class RemoteStore:
                 failure = error
                 if deadline.expired:
                     break
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return sock
+            else:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return sock
         raise failure
 
     def _send(
@@ -6978,20 +6955,13 @@ class _TeamLinks:
     def _document(self) -> dict[str, Any]:
         """The file, checked: one that is damaged or not a regular file is an error, never a
         store with no links (a push would then see nothing as seen)."""
-        import json
-
         try:
             data = _read_small_file(self.path, _LINKS_BYTES)
         except FileNotFoundError:
             return {}
         except (OSError, ValueError):
             data = None
-        try:
-            found = json.loads(
-                data or b"", parse_constant=_reject_constant, object_pairs_hook=_once
-            )
-        except (ValueError, RecursionError):
-            found = None
+        found = _strict_json(data or b"")
         if data is None or len(data) > _LINKS_BYTES or not _links_document(found):
             raise StorageError(_LINKS_DAMAGED.format(self.path))
         document: dict[str, Any] = found
