@@ -1395,25 +1395,25 @@ def test_rows_of_the_wrong_type_are_hidden_never_a_traceback(db: Path) -> None:
     db.parent.mkdir(exist_ok=True)
     malformed_rows(db)
     sound = ["record 7 about rust sqlite"]
-    listed = json.loads(cli("--db", str(db), "--json", "list").stdout)
+    listed = json.loads(cli_in("--db", str(db), "--json", "list").stdout)
     assert [m["content"] for m in listed["memories"]] == sound
-    scanned = json.loads(cli("--db", str(db), "--json", "scan", "rust sqlite").stdout)
+    scanned = json.loads(cli_in("--db", str(db), "--json", "scan", "rust sqlite").stdout)
     assert [c["key"]["id"] for c in scanned["candidates"]] == [7]
-    read = json.loads(cli("--db", str(db), "--json", "read", *map(str, range(1, 8))).stdout)
+    read = json.loads(cli_in("--db", str(db), "--json", "read", *map(str, range(1, 8))).stdout)
     assert [m["content"] for m in read["memories"]] == sound
-    stats = json.loads(cli("--db", str(db), "--json", "stats").stdout)
+    stats = json.loads(cli_in("--db", str(db), "--json", "stats").stdout)
     assert (stats["records"], stats["hidden_records"]) == (7, 6)
-    assert "hidden         6" in cli("--db", str(db), "stats").stdout
+    assert "hidden         6" in cli_in("--db", str(db), "stats").stdout
     assert_one_line_refusal(
-        cli("--db", str(db), "put", "new text", "--replace", "3@1"),
+        cli_in("--db", str(db), "put", "new text", "--replace", "3@1"),
         "memory changed since it was read",
     )
-    assert_one_line_refusal(cli("--db", str(db), "delete", "6@2"), "memory changed since")
+    assert_one_line_refusal(cli_in("--db", str(db), "delete", "6@2"), "memory changed since")
     assert_one_line_refusal(
-        cli("--db", str(db), "put", "a new conclusion"),
+        cli_in("--db", str(db), "put", "a new conclusion"),
         "memory database's id allocator is not a whole number",
     )
-    mended = cli("--db", str(db), "--json", "put", "record four, replaced", "--replace", "4@1")
+    mended = cli_in("--db", str(db), "--json", "put", "record four, replaced", "--replace", "4@1")
     memory = json.loads(mended.stdout)["memory"]
     assert memory["key"] == {"id": 4, "version": 2}
     assert memory["created_at_ms"] == memory["updated_at_ms"]
@@ -1423,7 +1423,7 @@ def test_rows_of_the_wrong_type_are_hidden_never_a_traceback(db: Path) -> None:
         {"operation": "put", "content": "x", "replace": {"id": 1, "version": 1}},
         {"operation": "delete", "id": 2, "version": 1},
     ]
-    tool = cli("--db", str(db), "tool", stdin=json_lines(*requests), env=subprocess_env())
+    tool = cli_in("--db", str(db), "tool", stdin=json_lines(*requests), env=subprocess_env())
     assert tool.returncode == 0 and tool.stderr == ""
     answers = [json.loads(line) for line in tool.stdout.splitlines()]
     assert len(answers) == len(requests)
