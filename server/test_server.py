@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import unittest.mock
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -2513,7 +2514,7 @@ def relay_to() -> Iterator[Callable[[Server], Relay]]:
 
 class Member:
     """A team member's `tactmem`: a config whose `[memory.remote]` names `url`, with the
-    workspace root `work` beside `home`, run as a real process in one of the two."""
+    workspace root `work` beside `home`, run in one of the two."""
 
     def __init__(self, directory: pathlib.Path, namespace: str, url: str) -> None:
         self.base = directory / namespace
@@ -2531,12 +2532,28 @@ class Member:
         return [sys.executable, "-m", "tactmem", "--config", str(self.config), *argv]
 
     def __call__(self, *argv: str, where: str = "home", status: int = 0) -> str:
-        done = subprocess.run(
-            self.command(*argv), cwd=self.base / where, capture_output=True, text=True,
-            timeout=120,
-        )  # fmt: skip
+        done = self.run(*argv, where=where)
         assert done.returncode == status, (done.stdout, done.stderr)
         return done.stdout
+
+    def run(self, *argv: str, where: str = "home") -> subprocess.CompletedProcess[str]:
+        """`tactmem` as `command` would run it, in this process (`main` in `where`, its
+        standard streams captured): for what a command does; a test of the process itself
+        (a push killed mid-way) starts `command`."""
+        written, errors = io.BytesIO(), io.BytesIO()
+        out = io.TextIOWrapper(written, encoding="utf-8")
+        err = io.TextIOWrapper(errors, encoding="utf-8")
+        given = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+        with (
+            contextlib.chdir(self.base / where),
+            unittest.mock.patch.multiple(sys, stdin=given, stdout=out, stderr=err),
+        ):
+            status = tactmem.main(["--config", str(self.config), *argv])
+        out.flush()
+        err.flush()
+        return subprocess.CompletedProcess(
+            list(argv), status, written.getvalue().decode(), errors.getvalue().decode()
+        )
 
 
 def team_of(server: Server) -> dict[tuple[str, int, int], str]:
@@ -2715,10 +2732,7 @@ postgres_only = pytest.mark.parametrize("backend", ["postgres"], indirect=True)
 
 def run(member: Member, *argv: str, where: str = "home") -> subprocess.CompletedProcess[str]:
     """`member(...)`, keeping standard error and the exit status for the test to judge."""
-    return subprocess.run(
-        member.command(*argv), cwd=member.base / where, capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
+    return member.run(*argv, where=where)
 
 
 def database(member: Member) -> str:
