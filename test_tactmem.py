@@ -7149,6 +7149,261 @@ def test_push_needs_a_writer_and_a_configured_remote(team: TeamServer, tmp_path:
     assert missing.returncode == 1 and "not configured" in missing.stderr
 
 
+# ============================================================ host setup (pure)
+# Issue 27: `tactmem setup HOST` prints, or merges into the host's own config file, the entry
+# that starts this tactmem by its absolute path; the merge keeps every byte it does not own.
+
+SERVER = {"command": "/opt/venv/bin/tactmem", "args": ["mcp"]}
+
+CLAUDE_JSON = """{
+  "numStartups": 3,
+  "mcpServers": {
+    "other": {"command": "other-server", "args": []}
+  },
+  "projects": {"/work": {"allowedTools": []}}
+}
+"""
+
+
+def merged(form: str, text: str, entry: dict[str, Any] = SERVER, name: str = "tactmem") -> str:
+    return tactmem._merged_config(form, text, name, entry)
+
+
+def test_the_json_merge_adds_a_server_and_keeps_every_other_byte() -> None:
+    added = merged("json", CLAUDE_JSON)
+    line = '    "tactmem": {"command": "/opt/venv/bin/tactmem", "args": ["mcp"]}'
+    assert added == CLAUDE_JSON.replace("[]}\n  },", "[]},\n" + line + "\n  },")
+    changed = merged("json", added, {"command": "/new/tactmem", "args": ["mcp", "--child"]})
+    assert changed == added.replace('"/opt/venv/bin/tactmem", "args": ["mcp"]',
+                                    '"/new/tactmem", "args": ["mcp", "--child"]')  # fmt: skip
+    assert merged("json", changed) == added  # the server's old bytes replaced, nothing else
+    compact = '{"theme":"dark"}'
+    assert merged("json", compact) == '{"theme":"dark", "mcpServers": {"tactmem": ' + (
+        '{"command": "/opt/venv/bin/tactmem", "args": ["mcp"]}}}'
+    )
+    assert json.loads(merged("json", "{ }")) == {"mcpServers": {"tactmem": SERVER}}
+    assert json.loads(merged("json", '{"mcpServers": {}}'))["mcpServers"] == {"tactmem": SERVER}
+    for empty in ("", "\n"):
+        assert json.loads(merged("json", empty)) == {"mcpServers": {"tactmem": SERVER}}
+    # the last of duplicate keys is the one parsers read, and the one changed
+    doubled = '{"mcpServers": {"a": 1}, "mcpServers": {"tactmem": 2}}'
+    assert merged("json", doubled) == doubled.replace("2", json.dumps(SERVER))
+
+
+def test_the_toml_merge_adds_or_replaces_one_table_and_keeps_every_other_byte() -> None:
+    config = 'model = "o3"\n\n[mcp_servers.other]\ncommand = "other"\n'
+    added = merged("toml", config)
+    assert added == config + '\n[mcp_servers.tactmem]\ncommand = "/opt/venv/bin/tactmem"\n' + (
+        'args = ["mcp"]\n'
+    )
+    old = (
+        '[mcp_servers.tactmem]  # ours\ncommand = "tactmem"\n\n[mcp_servers.tactmem.env]\n'
+        'X = "1"\n\n[profiles.fast]\nmodel = "o4"\n'
+    )
+    assert merged("toml", old) == (
+        '[mcp_servers.tactmem]\ncommand = "/opt/venv/bin/tactmem"\nargs = ["mcp"]\n\n'
+        '[profiles.fast]\nmodel = "o4"\n'
+    )
+    assert merged("toml", "") == '[mcp_servers.tactmem]\ncommand = "/opt/venv/bin/tactmem"\n' + (
+        'args = ["mcp"]\n'
+    )
+    assert merged("toml", "a = 1") == "a = 1\n\n" + merged("toml", "")
+    team = {"url": "https://memory.example.com/mcp", "bearer_token_env_var": "TEAM_TOKEN"}
+    with_team = merged("toml", added, team, "tactmem-team")
+    assert tomllib.loads(with_team)["mcp_servers"] == {
+        "other": {"command": "other"}, "tactmem": SERVER, "tactmem-team": team,
+    }  # fmt: skip
+    odd = {"command": '/a "quoted"\\path\tü', "args": ["mcp"]}
+    assert tomllib.loads(merged("toml", "", odd))["mcp_servers"]["tactmem"] == odd
+
+
+@pytest.mark.parametrize(
+    ("form", "text", "why"),
+    [
+        ("json", '{"mcpServers": {', "it is not valid JSON"),
+        ("json", "// a comment\n{}", "it is not valid JSON"),
+        ("json", "[1, 2]", "it is not a JSON document with a mcpServers table"),
+        ("json", '{"mcpServers": []}', "it is not a JSON document with a mcpServers table"),
+        ("toml", "[mcp_servers\n", "it is not valid TOML"),
+        ("toml", "mcp_servers = 3\n", "it is not a TOML document with a mcp_servers table"),
+        # forms this merge does not edit: refused, never half-merged
+        ("toml", 'mcp_servers = { tactmem = { command = "x" } }\n',
+         "its mcp_servers are written in a way this merge does not edit"),
+        ("toml", '[mcp_servers]\ntactmem.command = "x"\n',
+         "its mcp_servers are written in a way this merge does not edit"),
+    ],
+)  # fmt: skip
+def test_a_config_the_merge_cannot_edit_safely_is_refused(form: str, text: str, why: str) -> None:
+    with pytest.raises(tactmem._Unmergeable) as refused:
+        merged(form, text)
+    assert str(refused.value) == why
+
+
+# ============================================================ host setup (I/O)
+
+
+def setup_cli(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, home: Path, *argv: str
+) -> tuple[int, str, str]:
+    """`tactmem setup ...` in-process, with HOME at `home` and no host's own variables set."""
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("CLAUDE_CONFIG_DIR", "CODEX_HOME", "GEMINI_CLI_HOME", "XDG_CONFIG_HOME",
+                 "TACT_CONFIG", "TACT_HOME"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    status = tactmem.main(["setup", *argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_setup_prints_each_hosts_own_command_with_the_absolute_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (command,) = tactmem._tactmem_command()  # in a virtual environment: its console script
+    assert os.path.isabs(command) and os.path.basename(command) == "tactmem"
+    home = str(tmp_path)
+    expected = {
+        "claude-code": (f"claude mcp add --scope user tactmem -- {command} mcp",
+                        f"{home}/.claude.json"),
+        "codex": (f"codex mcp add tactmem -- {command} mcp", f"{home}/.codex/config.toml"),
+        "gemini": (f"gemini mcp add --scope user tactmem {command} mcp",
+                   f"{home}/.gemini/settings.json"),
+        "cursor": (None, f"{home}/.cursor/mcp.json"),
+        "claude-desktop": (None, f"{home}/.config/Claude/claude_desktop_config.json"),
+    }  # fmt: skip
+    assert set(expected) == set(tactmem._HOSTS)
+    for host, (add, path) in expected.items():
+        status, out, err = setup_cli(capsys, monkeypatch, tmp_path, host)
+        assert (status, err) == (0, "")
+        lines = out.splitlines()
+        if add is not None:
+            assert lines[1] == "  " + add, host
+            assert lines[2] == f"or add this to {path} (or add --write to this command):"
+        else:
+            assert lines[0].endswith(f": add this to {path} (or add --write to this command):")
+        if host == "codex":
+            assert lines[-3:] == ["  [mcp_servers.tactmem]", f'  command = "{command}"',
+                                  '  args = ["mcp"]']  # fmt: skip
+        else:
+            snippet = {"mcpServers": {"tactmem": {"command": command, "args": ["mcp"]}}}
+            assert json.loads(lines[-1]) == snippet
+        status, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "--json", host, "--child")
+        assert json.loads(out) == {
+            "host": host, "file": path, "name": "tactmem",
+            "entry": {"command": command, "args": ["mcp", "--child"]},
+            "command": None if add is None else [*shlex.split(add), "--child"],
+        }  # fmt: skip
+    assert not any(tmp_path.iterdir())  # printing writes nothing
+
+
+def test_setup_names_a_chosen_config_and_the_hosts_own_config_variables(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = write_config(tmp_path / "tact", "[memory]\nenabled = true\n")
+    _, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "--json", "codex")
+    assert json.loads(out)["entry"]["args"] == ["mcp"]  # ~/.tact: the host's HOME decides
+    _, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "--config", str(config), "--json", "codex")
+    assert json.loads(out)["entry"]["args"] == ["--config", str(config), "mcp"]
+    _, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "--db", "m.sqlite3", "--json", "codex")
+    assert json.loads(out)["entry"]["args"] == ["--db", str(Path.cwd() / "m.sqlite3"), "mcp"]
+    places = {
+        "claude-code": ("CLAUDE_CONFIG_DIR", ".claude.json"),
+        "codex": ("CODEX_HOME", "config.toml"),
+        "gemini": ("GEMINI_CLI_HOME", ".gemini/settings.json"),
+        "claude-desktop": ("XDG_CONFIG_HOME", "Claude/claude_desktop_config.json"),
+    }
+    for host, (variable, path) in places.items():
+        environ = {"HOME": "/home/u", variable: "/elsewhere"}
+        where = tactmem._host_config_path(tactmem._HOSTS[host], environ, "linux")
+        assert where == f"/elsewhere/{path}"
+    desktop = tactmem._HOSTS["claude-desktop"]
+    assert tactmem._host_config_path(desktop, {"HOME": "/Users/u"}, "darwin") == (
+        "/Users/u/Library/Application Support/Claude/claude_desktop_config.json"
+    )
+
+
+def test_setup_finds_this_tactmem_however_it_was_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "bin" / "tactmem"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\n")
+    monkeypatch.setattr(sys, "argv", [str(script), "setup", "codex"])
+    assert tactmem._tactmem_command() == [str(script)]  # the console script it runs as
+    python = tmp_path / "bin" / "python3"
+    monkeypatch.setattr(sys, "argv", [tactmem.__file__, "setup", "codex"])  # python -m tactmem
+    monkeypatch.setattr(sys, "executable", str(python))
+    assert tactmem._tactmem_command() == [str(script)]  # the one beside this Python
+    script.unlink()
+    assert tactmem._tactmem_command() == [str(python), os.path.abspath(tactmem.__file__)]
+
+
+def test_setup_for_the_team_server_names_the_tokens_variable_never_the_token(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TEAM_TOKEN", "alice-secret-token-0001")
+    team = ("--team", "https://memory.example.com", "--token-env", "TEAM_TOKEN")
+    url = "https://memory.example.com/mcp"
+    bearer = {"Authorization": "Bearer ${TEAM_TOKEN}"}
+    expected = {
+        "claude-code": {"type": "http", "url": url, "headers": bearer},
+        "gemini": {"type": "http", "url": url, "headers": bearer},
+        "cursor": {"url": url, "headers": {"Authorization": "Bearer ${env:TEAM_TOKEN}"}},
+        "codex": {"url": url, "bearer_token_env_var": "TEAM_TOKEN"},
+    }
+    for host, entry in expected.items():
+        status, out, err = setup_cli(capsys, monkeypatch, tmp_path, "--json", host, *team)
+        assert (status, err) == (0, "")
+        assert json.loads(out)["entry"] == entry and json.loads(out)["name"] == "tactmem-team"
+        status, out, _ = setup_cli(capsys, monkeypatch, tmp_path, host, *team)
+        assert "alice-secret" not in out
+    _, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "claude-code", *team)
+    assert out.splitlines()[1] == (
+        f"  claude mcp add --scope user --transport http tactmem-team {url}"
+        " --header 'Authorization: Bearer ${TEAM_TOKEN}'"  # quoted: the host expands it
+    )
+    _, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "codex", "--team", url, *team[2:])
+    assert out.splitlines()[1] == (
+        f"  codex mcp add tactmem-team --url {url} --bearer-token-env-var TEAM_TOKEN"
+    )
+    monkeypatch.delenv("TEAM_TOKEN")
+    status, _, err = setup_cli(capsys, monkeypatch, tmp_path, "codex", *team)
+    assert status == 0 and err == (
+        "tactmem: note: TEAM_TOKEN is not set here; Codex needs it set when it starts\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["vim"], "argument HOST takes one of 'claude-code', 'codex', 'gemini', 'cursor',"
+                  " 'claude-desktop'"),
+        (["codex", "--team", "https://m.example.com"],
+         "--team URL and --token-env VAR go together"),
+        (["codex", "--token-env", "T"], "--team URL and --token-env VAR go together"),
+        (["codex", "--team", "https://m.example.com", "--token-env", "$T"],
+         "--token-env takes the name of an environment variable, such as TOKEN"),
+        (["codex", "--team", "http://m.example.com", "--token-env", "T"],
+         "--team must use https (plain http only to 127.0.0.1, localhost, ::1)"),
+        (["codex", "--team", "https://alice:s3cret-pw@m.example.com", "--token-env", "T"],
+         "--team must not hold a user name or password"),
+        (["codex", "--team", "https://m.example.com", "--token-env", "T", "--child"],
+         "--child is for the local server; at --team a reader's token is a child"),
+        (["claude-desktop", "--team", "https://m.example.com", "--token-env", "T"],
+         "Claude Desktop cannot send a bearer token from an environment variable (its config"
+         " file takes local servers only); connect it to local memory (tactmem setup"
+         " claude-desktop) and bring team memory in with tactmem pull"),
+    ],
+)  # fmt: skip
+def test_setup_refuses_bad_input_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    argv: list[str], message: str,
+) -> None:  # fmt: skip
+    status, out, err = setup_cli(capsys, monkeypatch, tmp_path, *argv)
+    assert (status, out) == (2, "")
+    assert err == f"tactmem: usage: {message} (see tactmem --help)\n"
+    assert not any(tmp_path.iterdir())
+
+
 # ============================================================ command line (I/O)
 
 
@@ -7884,7 +8139,7 @@ def test_pure_sections_do_no_io() -> None:
     assert set(pure_sections(source)) == {
         "constants", "errors", "values", "core", "export, import and restore", "the browser",
         "evaluation", "evaluation: paired runs", "team memory: remote answers",
-        "team memory: push plans",
+        "team memory: push plans", "host setup",
     }  # fmt: skip
     assert impurities(source) == []
 
