@@ -7372,6 +7372,67 @@ def test_setup_for_the_team_server_names_the_tokens_variable_never_the_token(
     )
 
 
+def test_setup_write_merges_into_the_hosts_file_with_a_backup_beside_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (command,) = tactmem._tactmem_command()
+    claude = tmp_path / ".claude.json"
+    claude.write_text(CLAUDE_JSON)
+    claude.chmod(0o640)
+    status, out, err = setup_cli(capsys, monkeypatch, tmp_path, "claude-code", "--write")
+    assert (status, err) == (0, "")
+    assert out == f"wrote the tactmem server into {claude} (the old file is {claude}.tactmem.bak)\n"
+    assert (tmp_path / ".claude.json.tactmem.bak").read_text() == CLAUDE_JSON
+    entry = {"command": command, "args": ["mcp"]}
+    assert claude.read_text() == merged("json", CLAUDE_JSON, entry)
+    assert stat.S_IMODE(claude.stat().st_mode) == 0o640  # the host's own file keeps its mode
+    status, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "claude-code", "--write")
+    assert out == f"{claude} already has this tactmem server; nothing changed\n"
+    # a new file, in a new directory, where the host's own variable points
+    monkeypatch.setenv("CODEX_HOME", str(tmp_path / "codex-home"))
+    status = tactmem.main(["setup", "codex", "--write", "--child"])
+    codex = tmp_path / "codex-home" / "config.toml"
+    assert capsys.readouterr().out == f"wrote the tactmem server into {codex}\n"
+    assert tomllib.loads(codex.read_text()) == {
+        "mcp_servers": {"tactmem": {"command": command, "args": ["mcp", "--child"]}}
+    }
+    assert stat.S_IMODE(codex.stat().st_mode) == 0o600
+    assert sorted(os.listdir(codex.parent)) == ["config.toml"]  # no temporary file left
+    # a file kept elsewhere behind a symbolic link (dotfiles) is changed where it is
+    dotfiles = tmp_path / "dotfiles" / "mcp.json"
+    dotfiles.parent.mkdir()
+    dotfiles.write_text('{"mcpServers": {}}\n')
+    (tmp_path / ".cursor").mkdir()
+    (tmp_path / ".cursor" / "mcp.json").symlink_to(dotfiles)
+    setup_cli(capsys, monkeypatch, tmp_path, "cursor", "--write")
+    assert (tmp_path / ".cursor" / "mcp.json").is_symlink()
+    assert json.loads(dotfiles.read_text()) == {"mcpServers": {"tactmem": entry}}
+
+
+@pytest.mark.parametrize(
+    ("host", "place", "text"),
+    [
+        ("gemini", ".gemini/settings.json", '{\n  // my settings\n  "theme": "dark"\n}\n'),
+        ("claude-code", ".claude.json", '{"mcpServers": {"tactmem": '),
+        ("cursor", ".cursor/mcp.json", "\ufeff{}"),
+        ("codex", ".codex/config.toml", "mcp_servers = { tactmem = { command = 'x' } }\n"),
+    ],
+)
+def test_setup_write_leaves_a_file_it_cannot_edit_safely_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    host: str, place: str, text: str,
+) -> None:  # fmt: skip
+    path = tmp_path / place
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    before = sorted(tmp_path.rglob("*"))
+    status, out, err = setup_cli(capsys, monkeypatch, tmp_path, host, "--write")
+    assert (status, out) == (1, "")
+    assert err.startswith(f"tactmem: left {path} untouched: ") and err.count("\n") == 1
+    assert path.read_text(encoding="utf-8") == text and sorted(tmp_path.rglob("*")) == before
+    assert "my settings" not in err and "command" not in err  # never the file's text
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
