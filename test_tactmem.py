@@ -48,6 +48,7 @@ import jsonschema
 import pyte
 import pytest
 
+import hoststubs
 import tactmem
 from tactmem import (
     MEMORY_INSTRUCTIONS,
@@ -7463,6 +7464,213 @@ def test_setup_refuses_bad_input_in_one_line(
     assert (status, out) == (2, "")
     assert err == f"tactmem: usage: {message} (see tactmem --help)\n"
     assert not any(tmp_path.iterdir())
+
+
+# The real hosts, offline (issue 27): each CLI, pinned in hosts/package-lock.json and installed by
+# `.ci/run` (`npm ci --ignore-scripts --prefix hosts`), is set up by `tactmem setup HOST --write`
+# in a temporary HOME and run non-interactively against hoststubs.StubModels on 127.0.0.1, which
+# plays a model that calls the memory tool; the test reads the tool results the host sent back.
+# Telemetry and updates are switched off by each host's own settings. Cursor and Claude Desktop
+# have no CLI: what `setup` writes for them is started exactly as written, with the MCP SDK.
+
+HOST_PINS = json.loads((HERE / "hosts" / "package.json").read_text())["dependencies"]
+
+HOST_CLIS = {  # each host: its package, its command, and what `--version` prints
+    "claude-code": ("@anthropic-ai/claude-code", "claude", "{} (Claude Code)"),
+    "codex": ("@openai/codex", "codex", "codex-cli {}"),
+    "gemini": ("@google/gemini-cli", "gemini", "{}"),
+}
+
+GEMINI_SETTINGS = {  # the user's own settings, which `setup --write` must keep
+    "security": {"auth": {"selectedType": "gemini-api-key"}},
+    "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
+    "privacy": {"usageStatisticsEnabled": False},
+    "telemetry": {"enabled": False},
+}
+
+SCAN_AND_READ: list[dict[str, Any]] = [
+    {"operation": "scan", "query": "how are ledgerline releases tagged"},
+    {"operation": "read", "ids": [1]},
+]
+
+
+def host_cli(host: str, home: Path) -> str:
+    """The pinned CLI of `host`; a test fails (never skips) when it is missing or another
+    version."""
+    package, command, printed = HOST_CLIS[host]
+    path = HERE / "hosts" / "node_modules" / ".bin" / command
+    if not path.exists() or shutil.which("node") is None:
+        pytest.fail(f"the real host tests need node and {package}: npm ci --ignore-scripts"
+                    " --prefix hosts (.ci/run does it)")  # fmt: skip
+    shown = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60,
+                           env=host_env(home))  # fmt: skip
+    assert shown.stdout.strip() == printed.format(HOST_PINS[package]), shown
+    return str(path)
+
+
+def host_env(home: Path, **extra: str) -> dict[str, str]:
+    """A host's whole environment: HOME, node on PATH, nothing of the developer's."""
+    node = os.path.dirname(shutil.which("node") or "/usr/bin/node")
+    return {"HOME": str(home), "PATH": f"{node}:/usr/bin:/bin", "LANG": "C.UTF-8", **extra}
+
+
+def host_run(host: str, home: Path, origin: str, server: str = "tactmem", **extra: str) -> Any:
+    """Run `host` once, non-interactively, with tools approved and its model at `origin`."""
+    prompt = "How are releases tagged in ledgerline?"
+    runs: dict[str, tuple[list[str], dict[str, str]]] = {
+        "claude-code": (
+            ["-p", prompt, "--allowedTools", f"mcp__{server}__memory", "--output-format", "json"],
+            # MCP tools are declared up front (no tool search), once the servers are connected
+            {"ANTHROPIC_BASE_URL": origin, "ANTHROPIC_API_KEY": "sk-ant-stub",
+             "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
+             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "ENABLE_TOOL_SEARCH": "false",
+             "MCP_CONNECTION_NONBLOCKING": "false"},
+        ),
+        "codex": (
+            ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+             "-c", 'model_provider="stub"', "-c", 'model="gpt-5"',
+             "-c", f'model_providers.stub={{name="stub", base_url="{origin}/v1",'
+                   ' wire_api="responses", env_key="STUB_KEY"}',
+             # the first request waits for the MCP servers (by default it may go without them)
+             "-c", "mcp_optional_startup_grace_ms=30000",
+             "-c", "check_for_update_on_startup=false", "-c", "analytics.enabled=false", prompt],
+            {"STUB_KEY": "stub"},
+        ),
+        "gemini": (
+            ["-m", "gemini-2.5-flash", "-p", prompt, "--yolo", "--output-format", "json"],
+            {"GEMINI_API_KEY": "stub", "GOOGLE_GEMINI_BASE_URL": origin,
+             "GEMINI_CLI_TRUST_WORKSPACE": "true", "GEMINI_TELEMETRY_ENABLED": "false"},
+        ),
+    }  # fmt: skip
+    argv, env = runs[host]
+    work = home / "work"
+    work.mkdir(exist_ok=True)
+    ran = subprocess.run([host_cli(host, home), *argv], cwd=work, capture_output=True, text=True,
+                         env=host_env(home, **env, **extra), timeout=240)  # fmt: skip
+    assert ran.returncode == 0, (ran.stdout[-2000:], ran.stderr[-2000:])
+    return ran
+
+
+@pytest.fixture
+def host_home(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A HOME for a host, and a tactmem config (memory on) whose store holds LEDGERLINE."""
+    home, config = tmp_path / "home", write_config(tmp_path / "tact", "[memory]\nenabled = true\n")
+    (home / ".gemini").mkdir(parents=True)
+    (home / ".gemini" / "settings.json").write_text(json.dumps(GEMINI_SETTINGS, indent=2))
+    with Store(memory_db_path(config)) as store:
+        store.put(LEDGERLINE)
+    yield home, config
+
+
+def host_setup(home: Path, *argv: str) -> None:
+    """`tactmem setup ... --write` as a person runs it: the console script, in a subprocess."""
+    (command,) = tactmem._tactmem_command()
+    subprocess.run([command, "setup", *argv, "--write"], env=host_env(home), check=True,
+                   capture_output=True, timeout=60)  # fmt: skip
+
+
+@pytest.mark.parametrize("host", HOST_CLIS)
+@pytest.mark.slow
+def test_a_real_host_set_up_by_tactmem_calls_the_memory_tool(
+    host: str, host_home: tuple[Path, Path]
+) -> None:
+    home, config = host_home
+    host_setup(home, "--config", str(config), host)
+    if host == "gemini":  # the user's settings are kept beside the server
+        assert json.loads((home / ".gemini" / "settings.json").read_text()).items() >= (
+            GEMINI_SETTINGS.items()
+        )
+    stub = hoststubs.StubModels(SCAN_AND_READ)
+    try:
+        ran = host_run(host, home, stub.origin)
+    finally:
+        stub.close()
+    scan, read = stub.results  # the tool's answers, as the host passed them to the model
+    assert "In the `ledgerline` repository, releases are tagged by CI, never" in scan  # a card
+    assert LEDGERLINE in read and hoststubs.DONE in ran.stdout  # the record; the turn ended
+
+
+CHILD_REFUSALS = {
+    "claude-code": '"code": "not_root"',
+    "codex": '"code":"not_root"',
+    "gemini": "params must NOT have additional properties",
+}
+
+
+@pytest.mark.parametrize("host", HOST_CLIS)
+@pytest.mark.slow
+def test_a_real_host_set_up_with_child_cannot_put(host: str, host_home: tuple[Path, Path]) -> None:
+    home, config = host_home
+    host_setup(home, "--config", str(config), host, "--child")
+    stub = hoststubs.StubModels(
+        [{"operation": "put", "content": "In ledgerline, CI tags releases."}]
+    )
+    try:
+        host_run(host, home, stub.origin)
+    finally:
+        stub.close()
+    (refused,) = stub.results
+    # Gemini CLI checks a call against the child's schema (no `content`) before it sends it
+    assert CHILD_REFUSALS[host] in refused
+    with Store(memory_db_path(config)) as store:
+        assert [record.content for record in store.list()] == [LEDGERLINE]
+
+
+@pytest.mark.parametrize("host", HOST_CLIS)
+@pytest.mark.slow
+def test_a_real_host_reaches_the_team_servers_mcp_with_a_token_from_its_environment(
+    host: str, team: TeamServer, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    (home / ".gemini").mkdir(parents=True)
+    (home / ".gemini" / "settings.json").write_text(json.dumps(GEMINI_SETTINGS))
+    team.store("alice").put(LEDGERLINE)
+    host_setup(home, host, "--team", team.url, "--token-env", "TEAM_MEMORY_TOKEN")
+    written = [path.read_text() for path in home.rglob("*") if path.is_file()]
+    assert written and not any(ALICE_TOKEN in text for text in written)  # only its variable
+    stub = hoststubs.StubModels([SCAN_AND_READ[0]])
+    try:
+        host_run(host, home, stub.origin, "tactmem-team", TEAM_MEMORY_TOKEN=ALICE_TOKEN)
+    finally:
+        stub.close()
+    (scan,) = stub.results
+    assert "In the `ledgerline` repository, releases are tagged by CI" in scan
+    assert "alice" in scan  # a team card's key names its namespace
+
+
+@pytest.mark.parametrize("host", ["cursor", "claude-desktop"])
+@pytest.mark.slow
+def test_cursor_and_claude_desktop_configs_start_tactmem_as_written(
+    host: str, host_home: tuple[Path, Path]
+) -> None:
+    """No CLI to run: the entry `setup --write` leaves in their config file is started exactly
+    as written (command, args, nothing else) by the MCP SDK's stdio client, as they start it."""
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    home, config = host_home
+    for child in (False, True):
+        host_setup(home, "--config", str(config), host, *(["--child"] * child))
+        path = tactmem._host_config_path(tactmem._HOSTS[host], {"HOME": str(home)}, sys.platform)
+        entry = json.loads(Path(path).read_text())["mcpServers"]["tactmem"]
+        assert set(entry) == {"command", "args"}
+        parameters = StdioServerParameters(command=entry["command"], args=entry["args"],
+                                           env=host_env(home), cwd=str(home))  # fmt: skip
+
+        async def session(parameters: StdioServerParameters) -> list[Any]:
+            async with Client(parameters) as client:
+                return [
+                    await client.call_tool("memory", SCAN_AND_READ[0]),
+                    await client.call_tool("memory", {"operation": "put", "content": "A b c."}),
+                ]
+
+        scan, put = asyncio.run(asyncio.wait_for(session(parameters), 60))
+        assert scan.structured_content["candidates"][0]["key"] == {"id": 1, "version": 1}
+        if child:
+            assert put.structured_content == {"error": {"code": "not_root",
+                "message": "memory mutation is only available to root agents"}}  # fmt: skip
+        else:  # the root's put, after its scan
+            assert put.structured_content["memory"]["key"] == {"id": 2, "version": 1}
 
 
 # ============================================================ command line (I/O)
