@@ -7638,6 +7638,38 @@ def test_a_real_host_reaches_the_team_servers_mcp_with_a_token_from_its_environm
     assert "alice" in scan  # a team card's key names its namespace
 
 
+@pytest.mark.parametrize("host", HOST_CLIS)
+@pytest.mark.slow
+def test_the_printed_command_makes_the_host_write_what_setup_writes(
+    host: str, tmp_path: Path
+) -> None:
+    """The command `setup` prints, run with the real CLI, leaves the entry `--write` leaves
+    (but for the defaults the host adds itself: Claude Code's `"type": "stdio"`, `"env": {}`)."""
+    (command,) = tactmem._tactmem_command()
+    team = ["--team", "https://memory.example.com", "--token-env", "TEAM_MEMORY_TOKEN"]
+    for options in ([], ["--child"], team):
+        by_host, by_setup = tmp_path / "by-host", tmp_path / "by-setup"
+        for home in (by_host, by_setup):
+            shutil.rmtree(home, ignore_errors=True)
+            home.mkdir()
+        printed = subprocess.run([command, "--json", "setup", host, *options], check=True,
+                                 env=host_env(by_host), capture_output=True, text=True)  # fmt: skip
+        answer = json.loads(printed.stdout)
+        add = [host_cli(host, by_host), *answer["command"][1:]]
+        subprocess.run(add, env=host_env(by_host), cwd=by_host, check=True, capture_output=True,
+                       timeout=60)  # fmt: skip
+        host_setup(by_setup, host, *options)
+        entries = []
+        for home in (by_host, by_setup):
+            path = tactmem._host_config_path(tactmem._HOSTS[host], {"HOME": str(home)}, "linux")
+            text = Path(path).read_text()
+            config = tomllib.loads(text) if host == "codex" else json.loads(text)
+            entry = config["mcp_servers" if host == "codex" else "mcpServers"][answer["name"]]
+            defaults = {"type": "stdio", "env": {}} if "command" in entry else {}
+            entries.append({k: v for k, v in entry.items() if defaults.get(k, ...) != v})
+        assert entries[0] == entries[1] == answer["entry"], options
+
+
 @pytest.mark.parametrize("host", ["cursor", "claude-desktop"])
 @pytest.mark.slow
 def test_cursor_and_claude_desktop_configs_start_tactmem_as_written(
