@@ -18,6 +18,7 @@ import asyncio
 import bisect
 import contextlib
 import copy
+import functools
 import io
 import itertools
 import json
@@ -7494,24 +7495,30 @@ SCAN_AND_READ: list[dict[str, Any]] = [
 ]
 
 
-def host_cli(host: str, home: Path) -> str:
-    """The pinned CLI of `host`; a test fails (never skips) when it is missing or another
-    version."""
+@functools.cache
+def host_cli(host: str) -> str:
+    """The pinned CLI of `host` (its version checked once per process); a test fails, never
+    skips, when it is missing or another version."""
     package, command, printed = HOST_CLIS[host]
     path = HERE / "hosts" / "node_modules" / ".bin" / command
     if not path.exists() or shutil.which("node") is None:
         pytest.fail(f"the real host tests need node and {package}: npm ci --ignore-scripts"
                     " --prefix hosts (.ci/run does it)")  # fmt: skip
-    shown = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60,
-                           env=host_env(home))  # fmt: skip
+    with tempfile.TemporaryDirectory() as home:
+        shown = subprocess.run([str(path), "--version"], capture_output=True, text=True,
+                               env=host_env(Path(home)), timeout=60)  # fmt: skip
     assert shown.stdout.strip() == printed.format(HOST_PINS[package]), shown
     return str(path)
 
 
 def host_env(home: Path, **extra: str) -> dict[str, str]:
-    """A host's whole environment: HOME, node on PATH, nothing of the developer's."""
+    """A host's whole environment: HOME, node on PATH, nothing of the developer's, and a proxy
+    that refuses every connection but those to 127.0.0.1 (for the hosts that honour one)."""
     node = os.path.dirname(shutil.which("node") or "/usr/bin/node")
-    return {"HOME": str(home), "PATH": f"{node}:/usr/bin:/bin", "LANG": "C.UTF-8", **extra}
+    nowhere = "http://127.0.0.1:9"  # the discard port: nothing listens
+    return {"HOME": str(home), "PATH": f"{node}:/usr/bin:/bin", "LANG": "C.UTF-8",
+            "HTTPS_PROXY": nowhere, "HTTP_PROXY": nowhere, "ALL_PROXY": nowhere,
+            "NO_PROXY": "127.0.0.1,localhost", **extra}  # fmt: skip
 
 
 def host_run(host: str, home: Path, origin: str, server: str = "tactmem", **extra: str) -> Any:
@@ -7545,7 +7552,7 @@ def host_run(host: str, home: Path, origin: str, server: str = "tactmem", **extr
     argv, env = runs[host]
     work = home / "work"
     work.mkdir(exist_ok=True)
-    ran = subprocess.run([host_cli(host, home), *argv], cwd=work, capture_output=True, text=True,
+    ran = subprocess.run([host_cli(host), *argv], cwd=work, capture_output=True, text=True,
                          env=host_env(home, **env, **extra), timeout=240)  # fmt: skip
     assert ran.returncode == 0, (ran.stdout[-2000:], ran.stderr[-2000:])
     return ran
@@ -7655,7 +7662,7 @@ def test_the_printed_command_makes_the_host_write_what_setup_writes(
         printed = subprocess.run([command, "--json", "setup", host, *options], check=True,
                                  env=host_env(by_host), capture_output=True, text=True)  # fmt: skip
         answer = json.loads(printed.stdout)
-        add = [host_cli(host, by_host), *answer["command"][1:]]
+        add = [host_cli(host), *answer["command"][1:]]
         subprocess.run(add, env=host_env(by_host), cwd=by_host, check=True, capture_output=True,
                        timeout=60)  # fmt: skip
         host_setup(by_setup, host, *options)
