@@ -7461,20 +7461,43 @@ def _setup_team(arguments: argparse.Namespace, host: _Host, key: str) -> _Team |
     return _Team(endpoint.removesuffix("/mcp/").rstrip("/") + "/mcp", variable)
 
 
-def _setup_command(arguments: argparse.Namespace) -> int:
-    """`tactmem setup HOST`: print the host's command and entry for tactmem, or with `--write`
-    merge the entry into the host's config file. A config chosen by `--db`, `--config`,
-    TACT_CONFIG or TACT_HOME goes into the entry, so the host uses the same memory."""
-    host = _HOSTS[arguments.host]
-    team = _setup_team(arguments, host, arguments.host)
+def _local_command(arguments: argparse.Namespace) -> list[str]:
+    """`tactmem mcp` as the host starts it: this tactmem by its absolute path, and the store
+    chosen here by `--db`, `--config`, TACT_CONFIG or TACT_HOME, so the host uses the same
+    memory (otherwise the host's HOME decides: `~/.tact`, as here)."""
     if hasattr(arguments, "db") and hasattr(arguments, "config"):
         raise _UsageError("use --db or --config, not both")
-    command = [*_tactmem_command()]
+    command = _tactmem_command()
     if hasattr(arguments, "db"):
         command += ["--db", os.path.abspath(arguments.db)]
     elif hasattr(arguments, "config") or any(map(os.environ.get, ("TACT_CONFIG", "TACT_HOME"))):
         command += ["--config", resolve_config_path(getattr(arguments, "config", None))]
-    command += ["mcp", *(["--child"] * arguments.child)]
+    return [*command, "mcp", *(["--child"] * arguments.child)]
+
+
+def _setup_notes(arguments: argparse.Namespace, host: _Host, team: _Team | None) -> Iterator[str]:
+    """What would still stop the host's agent from using memory."""
+    if team is not None:
+        if not os.environ.get(team.token_env):
+            yield f"{team.token_env} is not set here; {host.title} needs it set when it starts"
+        return
+    if hasattr(arguments, "db"):
+        return
+    try:
+        config = load_config(getattr(arguments, "config", None))
+    except ConfigError as error:
+        yield f"{error}; until it is fixed, every call answers invalid_config"
+        return
+    if not config.memory_enabled:
+        yield f"{MemoryDisabled(config.path)}; until then, every call answers memory_disabled"
+
+
+def _setup_command(arguments: argparse.Namespace) -> int:
+    """`tactmem setup HOST`: print the host's command and entry for tactmem, or with `--write`
+    merge the entry into the host's config file; then say what would still stop it."""
+    host = _HOSTS[arguments.host]
+    team = _setup_team(arguments, host, arguments.host)
+    command = _local_command(arguments) if team is None else []
     name = _SERVER if team is None else _TEAM_SERVER
     entry = _server_entry(host, command, team)
     path = _host_config_path(host, os.environ, sys.platform)
@@ -7482,20 +7505,13 @@ def _setup_command(arguments: argparse.Namespace) -> int:
         print(_write_host_config(host, path, name, entry))
     elif arguments.json:
         add = None if host.add is None else host.add(name, entry)
-        print(
-            _json(
-                {"host": arguments.host, "file": path, "name": name, "entry": entry, "command": add}
-            )
-        )
+        answer = {"host": arguments.host, "file": path, "name": name, "entry": entry}
+        print(_json({**answer, "command": add}))
     else:
         for line in _setup_text(host, name, entry, path):
             print(line)
-    if team is not None and not os.environ.get(team.token_env):
-        print(
-            f"tactmem: note: {team.token_env} is not set here; {host.title} needs it set"
-            " when it starts",
-            file=sys.stderr,
-        )
+    for note in _setup_notes(arguments, host, team):
+        print(f"tactmem: note: {note}", file=sys.stderr)
     return 0
 
 

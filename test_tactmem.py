@@ -7247,7 +7247,10 @@ def test_a_config_the_merge_cannot_edit_safely_is_refused(form: str, text: str, 
 def setup_cli(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, home: Path, *argv: str
 ) -> tuple[int, str, str]:
-    """`tactmem setup ...` in-process, with HOME at `home` and no host's own variables set."""
+    """`tactmem setup ...` in-process, with HOME at `home` (its ~/.tact enabling memory) and no
+    host's own variables set."""
+    if not (home / ".tact").exists():
+        write_config(home / ".tact", "[memory]\nenabled = true\n")
     monkeypatch.setenv("HOME", str(home))
     for name in ("CLAUDE_CONFIG_DIR", "CODEX_HOME", "GEMINI_CLI_HOME", "XDG_CONFIG_HOME",
                  "TACT_CONFIG", "TACT_HOME"):  # fmt: skip
@@ -7294,7 +7297,7 @@ def test_setup_prints_each_hosts_own_command_with_the_absolute_path(
             "entry": {"command": command, "args": ["mcp", "--child"]},
             "command": None if add is None else [*shlex.split(add), "--child"],
         }  # fmt: skip
-    assert not any(tmp_path.iterdir())  # printing writes nothing
+    assert [path.name for path in tmp_path.iterdir()] == [".tact"]  # printing writes nothing
 
 
 def test_setup_names_a_chosen_config_and_the_hosts_own_config_variables(
@@ -7321,6 +7324,30 @@ def test_setup_names_a_chosen_config_and_the_hosts_own_config_variables(
     assert tactmem._host_config_path(desktop, {"HOME": "/Users/u"}, "darwin") == (
         "/Users/u/Library/Application Support/Claude/claude_desktop_config.json"
     )
+
+
+def test_setup_says_when_memory_is_off_for_the_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = write_config(tmp_path / ".tact", "[memory]\nenabled = false\n")
+    status, out, err = setup_cli(capsys, monkeypatch, tmp_path, "codex")
+    assert (
+        status == 0
+        and out
+        and err
+        == (
+            f"tactmem: note: memory is not enabled in {config}: set [memory] enabled = true;"
+            " until then, every call answers memory_disabled\n"
+        )
+    )
+    config.write_text("[memory]\nenabeld = true\n")
+    _, _, err = setup_cli(capsys, monkeypatch, tmp_path, "codex")
+    assert err == (
+        f"tactmem: note: unknown key in [memory] of {config}: 'enabeld'; until it is fixed, every"
+        " call answers invalid_config\n"
+    )
+    _, _, err = setup_cli(capsys, monkeypatch, tmp_path, "--db", str(tmp_path / "m.db"), "codex")
+    assert err == ""  # a database named outright has no config to enable
 
 
 def test_setup_finds_this_tactmem_however_it_was_started(
@@ -7427,6 +7454,7 @@ def test_setup_write_leaves_a_file_it_cannot_edit_safely_untouched(
     path = tmp_path / place
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
+    write_config(tmp_path / ".tact", "[memory]\nenabled = true\n")
     before = sorted(tmp_path.rglob("*"))
     status, out, err = setup_cli(capsys, monkeypatch, tmp_path, host, "--write")
     assert (status, out) == (1, "")
@@ -7464,7 +7492,7 @@ def test_setup_refuses_bad_input_in_one_line(
     status, out, err = setup_cli(capsys, monkeypatch, tmp_path, *argv)
     assert (status, out) == (2, "")
     assert err == f"tactmem: usage: {message} (see tactmem --help)\n"
-    assert not any(tmp_path.iterdir())
+    assert [path.name for path in tmp_path.iterdir()] == [".tact"]
 
 
 # The real hosts, offline (issue 27): each CLI, pinned in hosts/package-lock.json and installed by
