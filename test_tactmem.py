@@ -7597,11 +7597,11 @@ def host_home(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     yield home, config
 
 
-def host_setup(home: Path, *argv: str) -> None:
+def host_setup(home: Path, *argv: str, **extra: str) -> None:
     """`tactmem setup ... --write` as a person runs it: the console script, in a subprocess."""
     (command,) = tactmem._tactmem_command()
-    subprocess.run([command, "setup", *argv, "--write"], env=host_env(home), check=True,
-                   capture_output=True, timeout=60)  # fmt: skip
+    subprocess.run([command, "setup", *argv, "--write"], env=host_env(home, **extra),
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
 
 
 @pytest.mark.parametrize("host", HOST_CLIS)
@@ -7679,24 +7679,35 @@ def test_the_printed_command_makes_the_host_write_what_setup_writes(
     host: str, tmp_path: Path
 ) -> None:
     """The command `setup` prints, run with the real CLI, leaves the entry `--write` leaves
-    (but for the defaults the host adds itself: Claude Code's `"type": "stdio"`, `"env": {}`)."""
+    (but for the defaults the host adds itself: Claude Code's `"type": "stdio"`, `"env": {}`),
+    in the same file: where the host's own variable (CLAUDE_CONFIG_DIR, CODEX_HOME,
+    GEMINI_CLI_HOME) points, when it is set."""
     (command,) = tactmem._tactmem_command()
+    variable = {"claude-code": "CLAUDE_CONFIG_DIR", "codex": "CODEX_HOME",
+                "gemini": "GEMINI_CLI_HOME"}[host]  # fmt: skip
     team = ["--team", "https://memory.example.com", "--token-env", "TEAM_MEMORY_TOKEN"]
-    for options in ([], ["--child"], team):
+    for options, moved in (([], False), (["--child"], True), (team, False), (team, True)):
         by_host, by_setup = tmp_path / "by-host", tmp_path / "by-setup"
         for home in (by_host, by_setup):
             shutil.rmtree(home, ignore_errors=True)
-            home.mkdir()
+            (home / "elsewhere").mkdir(parents=True)
+        own = {variable: str(by_host / "elsewhere")} if moved else {}
         printed = subprocess.run([command, "--json", "setup", host, *options], check=True,
-                                 env=host_env(by_host), capture_output=True, text=True)  # fmt: skip
+                                 env=host_env(by_host, **own), capture_output=True,
+                                 text=True)  # fmt: skip
         answer = json.loads(printed.stdout)
         add = [host_cli(host), *answer["command"][1:]]
-        subprocess.run(add, env=host_env(by_host), cwd=by_host, check=True, capture_output=True,
-                       timeout=60)  # fmt: skip
-        host_setup(by_setup, host, *options)
+        subprocess.run(add, env=host_env(by_host, **own), cwd=by_host, check=True,
+                       capture_output=True, timeout=60)  # fmt: skip
+        host_setup(
+            by_setup, host, *options, **({variable: str(by_setup / "elsewhere")} if moved else {})
+        )
         entries = []
         for home in (by_host, by_setup):
-            path = tactmem._host_config_path(tactmem._HOSTS[host], {"HOME": str(home)}, "linux")
+            environ = {"HOME": str(home), **({variable: str(home / "elsewhere")} if moved else {})}
+            path = tactmem._host_config_path(tactmem._HOSTS[host], environ, "linux")
+            assert (path == answer["file"]) == (home == by_host)
+            assert (str(home / "elsewhere") in path) == moved
             text = Path(path).read_text()
             config = tomllib.loads(text) if host == "codex" else json.loads(text)
             entry = config["mcp_servers" if host == "codex" else "mcpServers"][answer["name"]]
