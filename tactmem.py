@@ -7118,6 +7118,8 @@ _Places = Mapping[str, tuple[tuple[str, str], ...]]
 
 
 class _Host(NamedTuple):
+    """An agent host `tactmem setup` knows: one row of `_HOSTS`."""
+
     title: str
     places: _Places
     form: Literal["json", "toml"]  # JSON `mcpServers`, or TOML `[mcp_servers.NAME]`
@@ -7138,7 +7140,9 @@ def _header_entry(reference: str, **fields: str) -> Callable[[_Team], dict[str, 
     return entry
 
 
-def _add_command(*words: str, stdio_gap: Sequence[str] = ("--",)) -> Callable[..., list[str]]:
+def _add_command(
+    *words: str, stdio_gap: Sequence[str] = ("--",)
+) -> Callable[[str, dict[str, Any]], list[str]]:
     """A host's `mcp add` for a user-wide entry: `words NAME [gap] COMMAND ARGS` for a local
     server, `words --transport http NAME URL --header ...` for the team's."""
 
@@ -7146,14 +7150,8 @@ def _add_command(*words: str, stdio_gap: Sequence[str] = ("--",)) -> Callable[..
         if "command" in entry:
             return [*words, name, *stdio_gap, entry["command"], *entry["args"]]
         if "bearer_token_env_var" in entry:  # codex: the variable's name is the whole setting
-            return [
-                *words,
-                name,
-                "--url",
-                entry["url"],
-                "--bearer-token-env-var",
-                entry["bearer_token_env_var"],
-            ]
+            variable = entry["bearer_token_env_var"]
+            return [*words, name, "--url", entry["url"], "--bearer-token-env-var", variable]
         header = f"Authorization: {entry['headers']['Authorization']}"
         return [*words, "--transport", "http", name, entry["url"], "--header", header]
 
