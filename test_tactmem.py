@@ -7751,6 +7751,33 @@ def test_cursor_and_claude_desktop_configs_start_tactmem_as_written(
             assert put.structured_content["memory"]["key"] == {"id": 2, "version": 1}
 
 
+@pytest.mark.slow
+def test_cursors_team_entry_reaches_the_team_server_as_cursor_expands_it(
+    team: TeamServer, tmp_path: Path
+) -> None:
+    """Cursor has no CLI: its team entry, with `${env:VAR}` replaced as Cursor replaces it, is
+    sent by the MCP SDK's streamable HTTP client to the real team server."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    team.store("alice").put(LEDGERLINE)
+    home = tmp_path / "home"
+    host_setup(home, "cursor", "--team", team.url, "--token-env", "TEAM_MEMORY_TOKEN")
+    entry = json.loads((home / ".cursor" / "mcp.json").read_text())["mcpServers"]["tactmem-team"]
+    assert entry["headers"] == {"Authorization": "Bearer ${env:TEAM_MEMORY_TOKEN}"}
+    headers = {"Authorization": f"Bearer {ALICE_TOKEN}"}  # what Cursor sends, expanded
+
+    async def session() -> Any:
+        http = httpx2.AsyncClient(headers=headers, timeout=60)
+        async with Client(streamable_http_client(entry["url"], http_client=http)) as client:
+            return await client.call_tool("memory", SCAN_AND_READ[0])
+
+    scan = asyncio.run(asyncio.wait_for(session(), 60))
+    (card,) = scan.structured_content["candidates"]
+    assert card["key"] == {"id": 1, "version": 1, "namespace": "alice"}
+
+
 # ============================================================ command line (I/O)
 
 
