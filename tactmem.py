@@ -7962,7 +7962,8 @@ _ARGUMENTS: Final[dict[str, tuple[_Argument, ...]]] = {
                      "help": "the agent host: " + ", ".join(_HOSTS)}),
         (("--write",), {"action": "store_true",
                         "help": "merge it into the host's config file (a backup beside it)"}),
-        (("--child",), {"action": "store_true", "help": "start it as mcp --child: scan and read only"}),
+        (("--child",), {"action": "store_true",
+                        "help": "start it as mcp --child: scan and read only"}),
         (("--team",), {"metavar": "URL", "help": "the team server's /mcp instead of local memory"}),
         (("--token-env",), {"metavar": "VAR", "help": "the environment variable the host reads"
                                                      " the team server's bearer token from"}),
