@@ -22,7 +22,8 @@ Contents (the banners below, in order)::
       the browser (pure) · the browser (I/O) · evaluation (pure) ·
       evaluation: paired runs (pure) · evaluation (I/O) · team memory: remote answers (pure) ·
       team memory: push plans (pure) · team memory: the remote store (I/O) ·
-      team memory: the team links (I/O) · team memory: push and pull (I/O) · the backend seam
+      team memory: the team links (I/O) · team memory: push and pull (I/O) · host setup (pure) ·
+      host setup (I/O) · the backend seam
     command line (I/O)
 
 Command line (``tactmem COMMAND --help`` for each)::
@@ -33,6 +34,8 @@ Command line (``tactmem COMMAND --help`` for each)::
       list [--sort useful|newest|oldest|least] | stats | browse | demo
       export [FILE|-] | import FILE|- [--dry-run] | restore FILE|-
       tool [--child] [--min-coverage X] | mcp [--child] [--min-coverage X]
+      setup claude-code|codex|gemini|cursor|claude-desktop [--write] [--child]
+            [--team URL --token-env VAR]
       push [--dry-run] | pull --all | pull --namespace N [--namespace N ...]
       eval [FILE ...] [--min-coverage X] [--sweep] [--thresholds FILE] [--paired RESULTS]
 """
@@ -7202,6 +7205,425 @@ def _pull_command(store: Store, arguments: argparse.Namespace, config: Config | 
     )
 
 
+# ------------------------------------------------------------ host setup (pure)
+# `tactmem setup HOST` (README, "Connect your host"): the MCP server entry each agent host needs
+# for this tactmem, the host's own command that adds it, and the merge of that entry into the
+# host's config file, text in and text out, so every byte of the file it does not own is kept.
+
+_SERVER: Final = "tactmem"  # the entry's name in the host's config: its tools are `mcp__tactmem__…`
+_TEAM_SERVER: Final = "tactmem-team"  # the team server's `/mcp`, beside the local one
+
+
+class _Team(NamedTuple):
+    """`--team URL --token-env VAR`: the team server's `/mcp`, and the environment variable the
+    host reads the bearer token from when it runs (the token itself is never written)."""
+
+    url: str
+    token_env: str
+
+
+# The places of a host's user config: by `sys.platform` ("" for any other), candidates in order,
+# each an environment variable naming a directory (or "~", the home directory) and the path
+# under it; the first whose variable is set wins.
+_Places = Mapping[str, tuple[tuple[str, str], ...]]
+
+
+class _Host(NamedTuple):
+    """An agent host `tactmem setup` knows: one row of `_HOSTS`."""
+
+    title: str
+    places: _Places
+    form: Literal["json", "toml"]  # JSON `mcpServers`, or TOML `[mcp_servers.NAME]`
+    # The host's entry for the team server, or None when it cannot read a token from the
+    # environment; the host's own command that adds an entry, or None when it has none.
+    team: Callable[[_Team], dict[str, Any]] | None
+    add: Callable[[str, dict[str, Any]], list[str]] | None
+
+
+def _header_entry(reference: str, **fields: str) -> Callable[[_Team], dict[str, Any]]:
+    """A JSON host's team entry: `Authorization` holds `reference`, the host's own syntax for
+    an environment variable (`${VAR}`), which the host expands each time it connects."""
+
+    def entry(team: _Team) -> dict[str, Any]:
+        bearer = "Bearer " + reference.format(team.token_env)
+        return {**fields, "url": team.url, "headers": {"Authorization": bearer}}
+
+    return entry
+
+
+def _add_command(
+    *words: str, stdio_gap: Sequence[str] = ("--",)
+) -> Callable[[str, dict[str, Any]], list[str]]:
+    """A host's `mcp add` for a user-wide entry: `words NAME [gap] COMMAND ARGS` for a local
+    server, `words --transport http NAME URL --header ...` for the team's."""
+
+    def add(name: str, entry: dict[str, Any]) -> list[str]:
+        if "command" in entry:
+            return [*words, name, *stdio_gap, entry["command"], *entry["args"]]
+        if "bearer_token_env_var" in entry:  # codex: the variable's name is the whole setting
+            variable = entry["bearer_token_env_var"]
+            return [*words, name, "--url", entry["url"], "--bearer-token-env-var", variable]
+        header = f"Authorization: {entry['headers']['Authorization']}"
+        return [*words, "--transport", "http", name, entry["url"], "--header", header]
+
+    return add
+
+
+_HOSTS: Final[dict[str, _Host]] = {
+    "claude-code": _Host(
+        "Claude Code",
+        {"": (("CLAUDE_CONFIG_DIR", ".claude.json"), ("~", ".claude.json"))},
+        "json",
+        _header_entry("${{{}}}", type="http"),
+        _add_command("claude", "mcp", "add", "--scope", "user"),
+    ),
+    "codex": _Host(
+        "Codex",
+        {"": (("CODEX_HOME", "config.toml"), ("~", ".codex/config.toml"))},
+        "toml",
+        lambda team: {"url": team.url, "bearer_token_env_var": team.token_env},
+        _add_command("codex", "mcp", "add"),
+    ),
+    "gemini": _Host(
+        "Gemini CLI",
+        {"": (("GEMINI_CLI_HOME", ".gemini/settings.json"), ("~", ".gemini/settings.json"))},
+        "json",
+        _header_entry("${{{}}}", type="http"),
+        # gemini passes on the options it does not know: `mcp --child` needs no `--`
+        _add_command("gemini", "mcp", "add", "--scope", "user", stdio_gap=()),
+    ),
+    "cursor": _Host(
+        "Cursor",
+        {"": (("~", ".cursor/mcp.json"),)},
+        "json",
+        _header_entry("${{env:{}}}"),
+        None,
+    ),
+    "claude-desktop": _Host(
+        "Claude Desktop",
+        {
+            "darwin": (("~", "Library/Application Support/Claude/claude_desktop_config.json"),),
+            "win32": (("APPDATA", "Claude/claude_desktop_config.json"),),
+            "": (
+                ("XDG_CONFIG_HOME", "Claude/claude_desktop_config.json"),
+                ("~", ".config/Claude/claude_desktop_config.json"),
+            ),
+        },
+        "json",
+        None,
+        None,
+    ),
+}
+
+# Why a host cannot take the team server, and what works instead.
+_NO_TEAM: Final = (
+    "{title} cannot send a bearer token from an environment variable (its config file takes"
+    " local servers only); connect it to local memory (tactmem setup {host}) and bring team"
+    " memory in with tactmem pull"
+)
+
+
+def _server_entry(host: _Host, command: Sequence[str], team: _Team | None) -> dict[str, Any]:
+    """The entry a host's config holds for tactmem: the local server as `command` (absolute,
+    so the host's PATH does not matter), or the team server's `/mcp`."""
+    if team is None:
+        return {"command": command[0], "args": list(command[1:])}
+    assert host.team is not None  # the command line refuses the team for such a host
+    return host.team(team)
+
+
+def _setup_text(host: _Host, name: str, entry: dict[str, Any], path: str) -> Iterator[str]:
+    """What `tactmem setup HOST` prints: the host's own command, and the entry as it belongs
+    in the host's config file."""
+    import shlex
+
+    if host.add is not None:
+        yield f"{host.title}: run"
+        yield "  " + shlex.join(host.add(name, entry))
+        yield f"or add this to {path} (or add --write to this command):"
+    else:
+        yield f"{host.title}: add this to {path} (or add --write to this command):"
+    if host.form == "toml":
+        yield from ("  " + line for line in _toml_table(name, entry).splitlines())
+    else:
+        yield "  " + _json({"mcpServers": {name: entry}})
+
+
+class _Unmergeable(Exception):
+    """A host's config file this merge cannot edit safely; `str()` says why (never its text)."""
+
+
+def _merged_config(form: str, text: str, name: str, entry: dict[str, Any]) -> str:
+    """`text` with the server `name` set to `entry` and every other byte kept; the result is
+    parsed again and must equal the old document with only that server changed."""
+    import json
+    import tomllib
+
+    try:
+        if form == "toml":
+            old: Any = tomllib.loads(text)
+        else:
+            old = json.loads(text) if text.strip() else {}
+    except (ValueError, RecursionError):  # tomllib's and json's errors are ValueErrors
+        raise _Unmergeable(f"it is not valid {form.upper()}") from None
+    table = "mcpServers" if form == "json" else "mcp_servers"
+    servers = old.get(table, {}) if isinstance(old, dict) else None
+    if not isinstance(servers, dict):
+        raise _Unmergeable(f"it is not a {form.upper()} document with a {table} table")
+    try:
+        new = _json_merge(text, name, entry) if form == "json" else _toml_merge(text, name, entry)
+        merged = json.loads(new) if form == "json" else tomllib.loads(new)
+    except (ValueError, IndexError, RecursionError):
+        merged = None
+    if merged != {**old, table: {**servers, name: entry}}:
+        raise _Unmergeable(f"its {table} are written in a way this merge does not edit")
+    return new
+
+
+_JSON_SPACE: Final = re.compile(r"[ \t\n\r]*")
+
+
+def _space_end(text: str, at: int) -> int:
+    """Where the JSON white space from `at` ends."""
+    space = _JSON_SPACE.match(text, at)
+    return at if space is None else space.end()
+
+
+def _json_members(text: str, start: int) -> tuple[list[tuple[str, int, int, int]], int]:
+    """The members of the JSON object that opens at `start` in valid JSON `text`, each as its
+    key, where the key starts and where its value starts and ends; and where the `}` is."""
+    import json
+
+    decoder, members = json.JSONDecoder(), []
+    at = _space_end(text, start + 1)
+    while text[at] != "}":
+        key, after = decoder.raw_decode(text, at)  # a key is a JSON string
+        colon = _space_end(text, after)
+        value = _space_end(text, colon + 1)
+        end = decoder.raw_decode(text, value)[1]
+        members.append((key, at, value, end))
+        at = _space_end(text, end)
+        at = _space_end(text, at + 1) if text[at] == "," else at
+    return members, at
+
+
+def _json_set(text: str, start: int, key: str, value: str) -> str:
+    """`text` with the member `key` of the object at `start` set to the JSON `value`: the old
+    value's bytes replaced (the last one, as parsers read duplicates), or a member added after
+    the last one, on a line of its own when the members are."""
+    import json
+
+    members, close = _json_members(text, start)
+    found = [member for member in members if member[0] == key]
+    if found:
+        _, _, begin, end = found[-1]
+        return text[:begin] + value + text[end:]
+    member = f"{json.dumps(key)}: {value}"
+    if not members:
+        return text[:close] + member + text[close:]
+    _, key_at, _, end = members[-1]
+    line = text.rfind("\n", 0, key_at) + 1
+    indent = text[line:key_at]
+    gap = "\n" + indent if line and not indent.strip() else " "
+    return text[:end] + "," + gap + member + text[end:]
+
+
+def _json_merge(text: str, name: str, entry: dict[str, Any]) -> str:
+    import json
+
+    if not text.strip():
+        return json.dumps({"mcpServers": {name: entry}}, indent=2, ensure_ascii=False) + "\n"
+    top = _space_end(text, 0)
+    value = json.dumps(entry, ensure_ascii=False)
+    members, _ = _json_members(text, top)
+    servers = [begin for key, _, begin, _ in members if key == "mcpServers"]
+    if not servers:
+        return _json_set(text, top, "mcpServers", f"{{{json.dumps(name)}: {value}}}")
+    return _json_set(text, servers[-1], name, value)
+
+
+# A line that opens a TOML table (`[a.b]`, `[[a]]`); a multi-line value can hold one too, which
+# the re-parse of the merged text catches.
+_TOML_HEADER: Final = re.compile(r"^[ \t]*\[\[?([^\]\n]*)\]", re.MULTILINE)
+
+
+def _toml_table(name: str, entry: dict[str, Any]) -> str:
+    """`[mcp_servers.NAME]` holding `entry`'s strings and lists of strings (JSON's escapes of a
+    string are TOML's, but for `\\/`, which `json.dumps` never writes)."""
+    import json
+
+    def value(item: object) -> str:
+        if isinstance(item, list):
+            return "[" + ", ".join(map(value, item)) + "]"
+        return json.dumps(item, ensure_ascii=False)
+
+    lines = [f"{key} = {value(item)}\n" for key, item in entry.items()]
+    return f"[mcp_servers.{name}]\n" + "".join(lines)
+
+
+def _toml_merge(text: str, name: str, entry: dict[str, Any]) -> str:
+    """`text` with the tables of `[mcp_servers.NAME]` (and its sub-tables) replaced by one
+    holding `entry`, where the first of them was; else that table appended at the end."""
+    ours = re.compile(rf"""\s*mcp_servers\s*\.\s*(?:{name}|"{name}"|'{name}')\s*(?:\..*)?""")
+    headers = list(_TOML_HEADER.finditer(text))
+    spans = [
+        (header.start(), headers[at + 1].start() if at + 1 < len(headers) else len(text))
+        for at, header in enumerate(headers)
+        if ours.fullmatch(header.group(1))
+    ]
+    table = _toml_table(name, entry)
+    if not spans:
+        gap = "" if not text.strip() else "\n" if text.endswith("\n") else "\n\n"
+        return text + gap + table
+    for begin, end in reversed(spans[1:]):
+        text = text[:begin] + text[end:]
+    begin, end = spans[0]
+    return text[:begin] + table + ("\n" if text[begin:end].endswith("\n\n") else "") + text[end:]
+
+
+# ------------------------------------------------------------ host setup (I/O)
+
+
+def _host_config_path(host: _Host, environ: Mapping[str, str], platform: str) -> str:
+    """The host's user config file, where the host itself looks for it (its own variable,
+    such as CODEX_HOME or CLAUDE_CONFIG_DIR, first)."""
+    home = environ.get("HOME") or environ.get("USERPROFILE") or os.path.expanduser("~")
+    for variable, path in host.places.get(platform, host.places[""]):
+        base = home if variable == "~" else environ.get(variable)
+        if base:
+            return os.path.join(os.path.abspath(base), *path.split("/"))
+    raise ConfigError(f"could not find {host.title}'s config directory: set HOME")
+
+
+def _tactmem_command() -> list[str]:
+    """The absolute command that starts this tactmem, whatever PATH the host has: the console
+    script this process runs as, else the one beside this Python (`python -m tactmem` in a
+    virtual environment), else this Python running this very file (a checkout or a copy)."""
+    started = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    beside = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "tactmem")
+    for script in (started, beside, beside + ".exe"):
+        name = os.path.basename(script)
+        if name in ("tactmem", "tactmem.exe") and os.path.isfile(script):
+            return [script]
+    return [os.path.abspath(sys.executable), os.path.abspath(__file__)]
+
+
+_HOST_CONFIG_BYTES: Final = 64 << 20  # ~/.claude.json keeps every project's history
+
+
+def _write_host_config(host: _Host, path: str, name: str, entry: dict[str, Any]) -> str:
+    """Merge the entry into the host's config file: the old file kept beside it as
+    `FILE.tactmem.bak`, the new one written whole (a temporary file, then a rename) with the
+    old one's mode, through a symbolic link to where it points. A file the merge cannot edit
+    safely is left untouched. Says what it did."""
+    target = os.path.realpath(path)
+    try:
+        data = _read_small_file(target, _HOST_CONFIG_BYTES)
+    except FileNotFoundError:
+        data, mode = b"", 0o600
+    except (OSError, ValueError):
+        raise TactmemError(f"could not read {path}") from None
+    else:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    if data is None or len(data) > _HOST_CONFIG_BYTES:
+        raise TactmemError(f"{path} is not a regular file of at most {_HOST_CONFIG_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+        new = _merged_config(host.form, text, name, entry).encode("utf-8")
+    except UnicodeError:
+        raise TactmemError(f"left {path} untouched: it is not UTF-8 text") from None
+    except _Unmergeable as why:
+        raise TactmemError(f"left {path} untouched: {why}") from None
+    if new == data:
+        return f"{path} already has this {name} server; nothing changed"
+    os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+    backup = ""
+    if data:
+        backup = f" (the old file is {path}.tactmem.bak)"
+        _write_private(target + ".tactmem.bak", data, prefix=".tactmem-setup-")
+        os.chmod(target + ".tactmem.bak", mode)
+    _write_private(target, new, prefix=".tactmem-setup-")
+    os.chmod(target, mode)
+    return f"wrote the {name} server into {path}{backup}"
+
+
+_ENV_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+def _setup_team(arguments: argparse.Namespace, host: _Host, key: str) -> _Team | None:
+    """`--team URL --token-env VAR`, checked: both or neither, and a host that can take it."""
+    url, variable = arguments.team, arguments.token_env
+    if url is None and variable is None:
+        return None
+    if url is None or variable is None:
+        raise _UsageError("--team URL and --token-env VAR go together")
+    if host.team is None:
+        raise _UsageError(_NO_TEAM.format(title=host.title, host=key))
+    if arguments.child:
+        raise _UsageError("--child is for the local server; at --team a reader's token is a child")
+    if not _ENV_NAME.fullmatch(variable):
+        raise _UsageError("--token-env takes the name of an environment variable, such as TOKEN")
+    try:
+        endpoint = _check_endpoint(url)
+    except ConfigError as error:
+        raise _UsageError(str(error).replace("remote memory endpoint", "--team")) from None
+    return _Team(endpoint.removesuffix("/mcp/").rstrip("/") + "/mcp", variable)
+
+
+def _local_command(arguments: argparse.Namespace) -> list[str]:
+    """`tactmem mcp` as the host starts it: this tactmem by its absolute path, and the store
+    chosen here by `--db`, `--config`, TACT_CONFIG or TACT_HOME, so the host uses the same
+    memory (otherwise the host's HOME decides: `~/.tact`, as here)."""
+    if hasattr(arguments, "db") and hasattr(arguments, "config"):
+        raise _UsageError("use --db or --config, not both")
+    command = _tactmem_command()
+    if hasattr(arguments, "db"):
+        command += ["--db", os.path.abspath(arguments.db)]
+    elif hasattr(arguments, "config") or any(map(os.environ.get, ("TACT_CONFIG", "TACT_HOME"))):
+        command += ["--config", resolve_config_path(getattr(arguments, "config", None))]
+    return [*command, "mcp", *(["--child"] * arguments.child)]
+
+
+def _setup_notes(arguments: argparse.Namespace, host: _Host, team: _Team | None) -> Iterator[str]:
+    """What would still stop the host's agent from using memory."""
+    if team is not None:
+        if not os.environ.get(team.token_env):
+            yield f"{team.token_env} is not set here; {host.title} needs it set when it starts"
+        return
+    if hasattr(arguments, "db"):
+        return
+    try:
+        config = load_config(getattr(arguments, "config", None))
+    except ConfigError as error:
+        yield f"{error}; until it is fixed, every call answers invalid_config"
+        return
+    if not config.memory_enabled:
+        yield f"{MemoryDisabled(config.path)}; until then, every call answers memory_disabled"
+
+
+def _setup_command(arguments: argparse.Namespace) -> int:
+    """`tactmem setup HOST`: print the host's command and entry for tactmem, or with `--write`
+    merge the entry into the host's config file; then say what would still stop it."""
+    host = _HOSTS[arguments.host]
+    team = _setup_team(arguments, host, arguments.host)
+    command = _local_command(arguments) if team is None else []
+    name = _SERVER if team is None else _TEAM_SERVER
+    entry = _server_entry(host, command, team)
+    path = _host_config_path(host, os.environ, sys.platform)
+    if arguments.write:
+        print(_write_host_config(host, path, name, entry))
+    elif arguments.json:
+        add = None if host.add is None else host.add(name, entry)
+        answer = {"host": arguments.host, "file": path, "name": name, "entry": entry}
+        print(_json({**answer, "command": add}))
+    else:
+        for line in _setup_text(host, name, entry, path):
+            print(line)
+    for note in _setup_notes(arguments, host, team):
+        print(f"tactmem: note: {note}", file=sys.stderr)
+    return 0
+
+
 # ------------------------------------------------------------ the backend seam
 
 
@@ -7611,6 +8033,7 @@ _COMMANDS: Final[dict[str, tuple[str, _Run | None]]] = {
     "pull": ("merge team memory into the local store, with fresh ids", _pull_command),
     "enable": ("turn memory on for agents, in the config file", None),
     "disable": ("turn memory off for agents, in the config file", None),
+    "setup": ("print, or --write, an agent host's MCP configuration for tactmem", None),
     "demo": ("run the whole contract on a throwaway store", None),
     "eval": ("score scenarios, or paired agent runs, against pre-registered thresholds", None),
 }
@@ -7665,6 +8088,17 @@ _ARGUMENTS: Final[dict[str, tuple[_Argument, ...]]] = {
     "restore": (_IMPORTED,),
     "tool": (_CHILD, _MIN_COVERAGE),
     "mcp": (_CHILD, _MIN_COVERAGE),
+    "setup": (
+        (("host",), {"metavar": "HOST", "choices": _HOSTS,
+                     "help": "the agent host: " + ", ".join(_HOSTS)}),
+        (("--write",), {"action": "store_true",
+                        "help": "merge it into the host's config file (a backup beside it)"}),
+        (("--child",), {"action": "store_true",
+                        "help": "start it as mcp --child: scan and read only"}),
+        (("--team",), {"metavar": "URL", "help": "the team server's /mcp instead of local memory"}),
+        (("--token-env",), {"metavar": "VAR", "help": "the environment variable the host reads"
+                                                     " the team server's bearer token from"}),
+    ),
     "push": (
         (("--dry-run",), {"action": "store_true",
                           "help": "read the server and show the plan by id; send nothing"}),
@@ -7837,6 +8271,7 @@ _STORELESS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
     "eval": _eval_command,
     "enable": _switch_command,
     "disable": _switch_command,
+    "setup": _setup_command,
     "demo": _demo,
 }
 

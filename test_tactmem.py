@@ -18,6 +18,7 @@ import asyncio
 import bisect
 import contextlib
 import copy
+import functools
 import io
 import itertools
 import json
@@ -48,6 +49,7 @@ import jsonschema
 import pyte
 import pytest
 
+import hoststubs
 import tactmem
 from tactmem import (
     MEMORY_INSTRUCTIONS,
@@ -7263,6 +7265,633 @@ def test_push_needs_a_writer_and_a_configured_remote(team: TeamServer, tmp_path:
     assert missing.returncode == 1 and "not configured" in missing.stderr
 
 
+# ============================================================ host setup (pure)
+# Issue 27: `tactmem setup HOST` prints, or merges into the host's own config file, the entry
+# that starts this tactmem by its absolute path; the merge keeps every byte it does not own.
+
+SERVER = {"command": "/opt/venv/bin/tactmem", "args": ["mcp"]}
+
+CLAUDE_JSON = """{
+  "numStartups": 3,
+  "mcpServers": {
+    "other": {"command": "other-server", "args": []}
+  },
+  "projects": {"/work": {"allowedTools": []}}
+}
+"""
+
+
+def merged(form: str, text: str, entry: dict[str, Any] = SERVER, name: str = "tactmem") -> str:
+    return tactmem._merged_config(form, text, name, entry)
+
+
+def test_the_json_merge_adds_a_server_and_keeps_every_other_byte() -> None:
+    added = merged("json", CLAUDE_JSON)
+    line = '    "tactmem": {"command": "/opt/venv/bin/tactmem", "args": ["mcp"]}'
+    assert added == CLAUDE_JSON.replace("[]}\n  },", "[]},\n" + line + "\n  },")
+    changed = merged("json", added, {"command": "/new/tactmem", "args": ["mcp", "--child"]})
+    assert changed == added.replace('"/opt/venv/bin/tactmem", "args": ["mcp"]',
+                                    '"/new/tactmem", "args": ["mcp", "--child"]')  # fmt: skip
+    assert merged("json", changed) == added  # the server's old bytes replaced, nothing else
+    compact = '{"theme":"dark"}'
+    assert merged("json", compact) == '{"theme":"dark", "mcpServers": {"tactmem": ' + (
+        '{"command": "/opt/venv/bin/tactmem", "args": ["mcp"]}}}'
+    )
+    assert json.loads(merged("json", "{ }")) == {"mcpServers": {"tactmem": SERVER}}
+    assert json.loads(merged("json", '{"mcpServers": {}}'))["mcpServers"] == {"tactmem": SERVER}
+    for empty in ("", "\n"):
+        assert json.loads(merged("json", empty)) == {"mcpServers": {"tactmem": SERVER}}
+    # the last of duplicate keys is the one parsers read, and the one changed
+    doubled = '{"mcpServers": {"a": 1}, "mcpServers": {"tactmem": 2}}'
+    assert merged("json", doubled) == doubled.replace("2", json.dumps(SERVER))
+
+
+def test_the_toml_merge_adds_or_replaces_one_table_and_keeps_every_other_byte() -> None:
+    config = 'model = "o3"\n\n[mcp_servers.other]\ncommand = "other"\n'
+    added = merged("toml", config)
+    assert added == config + '\n[mcp_servers.tactmem]\ncommand = "/opt/venv/bin/tactmem"\n' + (
+        'args = ["mcp"]\n'
+    )
+    old = (
+        '[mcp_servers.tactmem]  # ours\ncommand = "tactmem"\n\n[mcp_servers.tactmem.env]\n'
+        'X = "1"\n\n[profiles.fast]\nmodel = "o4"\n'
+    )
+    assert merged("toml", old) == (
+        '[mcp_servers.tactmem]\ncommand = "/opt/venv/bin/tactmem"\nargs = ["mcp"]\n\n'
+        '[profiles.fast]\nmodel = "o4"\n'
+    )
+    assert merged("toml", "") == '[mcp_servers.tactmem]\ncommand = "/opt/venv/bin/tactmem"\n' + (
+        'args = ["mcp"]\n'
+    )
+    assert merged("toml", "a = 1") == "a = 1\n\n" + merged("toml", "")
+    team = {"url": "https://memory.example.com/mcp", "bearer_token_env_var": "TEAM_TOKEN"}
+    with_team = merged("toml", added, team, "tactmem-team")
+    assert tomllib.loads(with_team)["mcp_servers"] == {
+        "other": {"command": "other"}, "tactmem": SERVER, "tactmem-team": team,
+    }  # fmt: skip
+    odd = {"command": '/a "quoted"\\path\tü', "args": ["mcp"]}
+    assert tomllib.loads(merged("toml", "", odd))["mcp_servers"]["tactmem"] == odd
+
+
+@pytest.mark.parametrize(
+    ("form", "text", "why"),
+    [
+        ("json", '{"mcpServers": {', "it is not valid JSON"),
+        ("json", "// a comment\n{}", "it is not valid JSON"),
+        ("json", "[1, 2]", "it is not a JSON document with a mcpServers table"),
+        ("json", '{"mcpServers": []}', "it is not a JSON document with a mcpServers table"),
+        ("toml", "[mcp_servers\n", "it is not valid TOML"),
+        ("toml", "mcp_servers = 3\n", "it is not a TOML document with a mcp_servers table"),
+        # forms this merge does not edit: refused, never half-merged
+        ("toml", 'mcp_servers = { tactmem = { command = "x" } }\n',
+         "its mcp_servers are written in a way this merge does not edit"),
+        ("toml", '[mcp_servers]\ntactmem.command = "x"\n',
+         "its mcp_servers are written in a way this merge does not edit"),
+    ],
+)  # fmt: skip
+def test_a_config_the_merge_cannot_edit_safely_is_refused(form: str, text: str, why: str) -> None:
+    with pytest.raises(tactmem._Unmergeable) as refused:
+        merged(form, text)
+    assert str(refused.value) == why
+
+
+# ============================================================ host setup (I/O)
+
+
+def setup_cli(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, home: Path, *argv: str
+) -> tuple[int, str, str]:
+    """`tactmem setup ...` in-process, with HOME at `home` (its ~/.tact enabling memory) and no
+    host's own variables set."""
+    if not (home / ".tact").exists():
+        write_config(home / ".tact", "[memory]\nenabled = true\n")
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("CLAUDE_CONFIG_DIR", "CODEX_HOME", "GEMINI_CLI_HOME", "XDG_CONFIG_HOME",
+                 "TACT_CONFIG", "TACT_HOME"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    status = tactmem.main(["setup", *argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_setup_prints_each_hosts_own_command_with_the_absolute_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (command,) = tactmem._tactmem_command()  # in a virtual environment: its console script
+    assert os.path.isabs(command) and os.path.basename(command) == "tactmem"
+    home = str(tmp_path)
+    expected = {
+        "claude-code": (f"claude mcp add --scope user tactmem -- {command} mcp",
+                        f"{home}/.claude.json"),
+        "codex": (f"codex mcp add tactmem -- {command} mcp", f"{home}/.codex/config.toml"),
+        "gemini": (f"gemini mcp add --scope user tactmem {command} mcp",
+                   f"{home}/.gemini/settings.json"),
+        "cursor": (None, f"{home}/.cursor/mcp.json"),
+        "claude-desktop": (None, f"{home}/.config/Claude/claude_desktop_config.json"),
+    }  # fmt: skip
+    assert set(expected) == set(tactmem._HOSTS)
+    for host, (add, path) in expected.items():
+        status, out, err = setup_cli(capsys, monkeypatch, tmp_path, host)
+        assert (status, err) == (0, "")
+        lines = out.splitlines()
+        if add is not None:
+            assert lines[1] == "  " + add, host
+            assert lines[2] == f"or add this to {path} (or add --write to this command):"
+        else:
+            assert lines[0].endswith(f": add this to {path} (or add --write to this command):")
+        if host == "codex":
+            assert lines[-3:] == ["  [mcp_servers.tactmem]", f'  command = "{command}"',
+                                  '  args = ["mcp"]']  # fmt: skip
+        else:
+            snippet = {"mcpServers": {"tactmem": {"command": command, "args": ["mcp"]}}}
+            assert json.loads(lines[-1]) == snippet
+        status, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "--json", host, "--child")
+        assert json.loads(out) == {
+            "host": host, "file": path, "name": "tactmem",
+            "entry": {"command": command, "args": ["mcp", "--child"]},
+            "command": None if add is None else [*shlex.split(add), "--child"],
+        }  # fmt: skip
+    assert [path.name for path in tmp_path.iterdir()] == [".tact"]  # printing writes nothing
+
+
+def test_setup_names_a_chosen_config_and_the_hosts_own_config_variables(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = write_config(tmp_path / "tact", "[memory]\nenabled = true\n")
+    _, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "--json", "codex")
+    assert json.loads(out)["entry"]["args"] == ["mcp"]  # ~/.tact: the host's HOME decides
+    _, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "--config", str(config), "--json", "codex")
+    assert json.loads(out)["entry"]["args"] == ["--config", str(config), "mcp"]
+    _, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "--db", "m.sqlite3", "--json", "codex")
+    assert json.loads(out)["entry"]["args"] == ["--db", str(Path.cwd() / "m.sqlite3"), "mcp"]
+    places = {
+        "claude-code": ("CLAUDE_CONFIG_DIR", ".claude.json"),
+        "codex": ("CODEX_HOME", "config.toml"),
+        "gemini": ("GEMINI_CLI_HOME", ".gemini/settings.json"),
+        "claude-desktop": ("XDG_CONFIG_HOME", "Claude/claude_desktop_config.json"),
+    }
+    for host, (variable, path) in places.items():
+        environ = {"HOME": "/home/u", variable: "/elsewhere"}
+        where = tactmem._host_config_path(tactmem._HOSTS[host], environ, "linux")
+        assert where == f"/elsewhere/{path}"
+    desktop = tactmem._HOSTS["claude-desktop"]
+    assert tactmem._host_config_path(desktop, {"HOME": "/Users/u"}, "darwin") == (
+        "/Users/u/Library/Application Support/Claude/claude_desktop_config.json"
+    )
+
+
+def test_setup_says_when_memory_is_off_for_the_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = write_config(tmp_path / ".tact", "[memory]\nenabled = false\n")
+    status, out, err = setup_cli(capsys, monkeypatch, tmp_path, "codex")
+    assert (
+        status == 0
+        and out
+        and err
+        == (
+            f"tactmem: note: memory is not enabled in {config}: run tactmem enable;"
+            " until then, every call answers memory_disabled\n"
+        )
+    )
+    config.write_text("[memory]\nenabeld = true\n")
+    _, _, err = setup_cli(capsys, monkeypatch, tmp_path, "codex")
+    assert err == (
+        f"tactmem: note: unknown key in [memory] of {config}: 'enabeld'; until it is fixed, every"
+        " call answers invalid_config\n"
+    )
+    _, _, err = setup_cli(capsys, monkeypatch, tmp_path, "--db", str(tmp_path / "m.db"), "codex")
+    assert err == ""  # a database named outright has no config to enable
+
+
+def test_setup_finds_this_tactmem_however_it_was_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "bin" / "tactmem"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\n")
+    monkeypatch.setattr(sys, "argv", [str(script), "setup", "codex"])
+    assert tactmem._tactmem_command() == [str(script)]  # the console script it runs as
+    python = tmp_path / "bin" / "python3"
+    monkeypatch.setattr(sys, "argv", [tactmem.__file__, "setup", "codex"])  # python -m tactmem
+    monkeypatch.setattr(sys, "executable", str(python))
+    assert tactmem._tactmem_command() == [str(script)]  # the one beside this Python
+    script.unlink()
+    assert tactmem._tactmem_command() == [str(python), os.path.abspath(tactmem.__file__)]
+
+
+def test_setup_for_the_team_server_names_the_tokens_variable_never_the_token(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TEAM_TOKEN", "alice-secret-token-0001")
+    team = ("--team", "https://memory.example.com", "--token-env", "TEAM_TOKEN")
+    url = "https://memory.example.com/mcp"
+    bearer = {"Authorization": "Bearer ${TEAM_TOKEN}"}
+    expected = {
+        "claude-code": {"type": "http", "url": url, "headers": bearer},
+        "gemini": {"type": "http", "url": url, "headers": bearer},
+        "cursor": {"url": url, "headers": {"Authorization": "Bearer ${env:TEAM_TOKEN}"}},
+        "codex": {"url": url, "bearer_token_env_var": "TEAM_TOKEN"},
+    }
+    for host, entry in expected.items():
+        status, out, err = setup_cli(capsys, monkeypatch, tmp_path, "--json", host, *team)
+        assert (status, err) == (0, "")
+        assert json.loads(out)["entry"] == entry and json.loads(out)["name"] == "tactmem-team"
+        status, out, _ = setup_cli(capsys, monkeypatch, tmp_path, host, *team)
+        assert "alice-secret" not in out
+    _, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "claude-code", *team)
+    assert out.splitlines()[1] == (
+        f"  claude mcp add --scope user --transport http tactmem-team {url}"
+        " --header 'Authorization: Bearer ${TEAM_TOKEN}'"  # quoted: the host expands it
+    )
+    _, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "codex", "--team", url, *team[2:])
+    assert out.splitlines()[1] == (
+        f"  codex mcp add tactmem-team --url {url} --bearer-token-env-var TEAM_TOKEN"
+    )
+    monkeypatch.delenv("TEAM_TOKEN")
+    status, _, err = setup_cli(capsys, monkeypatch, tmp_path, "codex", *team)
+    assert status == 0 and err == (
+        "tactmem: note: TEAM_TOKEN is not set here; Codex needs it set when it starts\n"
+    )
+
+
+def test_setup_write_merges_into_the_hosts_file_with_a_backup_beside_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (command,) = tactmem._tactmem_command()
+    claude = tmp_path / ".claude.json"
+    claude.write_text(CLAUDE_JSON)
+    claude.chmod(0o640)
+    status, out, err = setup_cli(capsys, monkeypatch, tmp_path, "claude-code", "--write")
+    assert (status, err) == (0, "")
+    assert out == f"wrote the tactmem server into {claude} (the old file is {claude}.tactmem.bak)\n"
+    assert (tmp_path / ".claude.json.tactmem.bak").read_text() == CLAUDE_JSON
+    entry = {"command": command, "args": ["mcp"]}
+    assert claude.read_text() == merged("json", CLAUDE_JSON, entry)
+    assert stat.S_IMODE(claude.stat().st_mode) == 0o640  # the host's own file keeps its mode
+    status, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "claude-code", "--write")
+    assert out == f"{claude} already has this tactmem server; nothing changed\n"
+    # a new file, in a new directory, where the host's own variable points
+    monkeypatch.setenv("CODEX_HOME", str(tmp_path / "codex-home"))
+    status = tactmem.main(["setup", "codex", "--write", "--child"])
+    codex = tmp_path / "codex-home" / "config.toml"
+    assert capsys.readouterr().out == f"wrote the tactmem server into {codex}\n"
+    assert tomllib.loads(codex.read_text()) == {
+        "mcp_servers": {"tactmem": {"command": command, "args": ["mcp", "--child"]}}
+    }
+    assert stat.S_IMODE(codex.stat().st_mode) == 0o600
+    assert sorted(os.listdir(codex.parent)) == ["config.toml"]  # no temporary file left
+    # a file kept elsewhere behind a symbolic link (dotfiles) is changed where it is
+    dotfiles = tmp_path / "dotfiles" / "mcp.json"
+    dotfiles.parent.mkdir()
+    dotfiles.write_text('{"mcpServers": {}}\n')
+    (tmp_path / ".cursor").mkdir()
+    (tmp_path / ".cursor" / "mcp.json").symlink_to(dotfiles)
+    setup_cli(capsys, monkeypatch, tmp_path, "cursor", "--write")
+    assert (tmp_path / ".cursor" / "mcp.json").is_symlink()
+    assert json.loads(dotfiles.read_text()) == {"mcpServers": {"tactmem": entry}}
+
+
+@pytest.mark.parametrize(
+    ("host", "place", "text"),
+    [
+        ("gemini", ".gemini/settings.json", '{\n  // my settings\n  "theme": "dark"\n}\n'),
+        ("claude-code", ".claude.json", '{"mcpServers": {"tactmem": '),
+        ("cursor", ".cursor/mcp.json", "\ufeff{}"),
+        ("codex", ".codex/config.toml", "mcp_servers = { tactmem = { command = 'x' } }\n"),
+    ],
+)
+def test_setup_write_leaves_a_file_it_cannot_edit_safely_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    host: str, place: str, text: str,
+) -> None:  # fmt: skip
+    path = tmp_path / place
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    write_config(tmp_path / ".tact", "[memory]\nenabled = true\n")
+    before = sorted(tmp_path.rglob("*"))
+    status, out, err = setup_cli(capsys, monkeypatch, tmp_path, host, "--write")
+    assert (status, out) == (1, "")
+    assert err.startswith(f"tactmem: left {path} untouched: ") and err.count("\n") == 1
+    assert path.read_text(encoding="utf-8") == text and sorted(tmp_path.rglob("*")) == before
+    assert "my settings" not in err and "command" not in err  # never the file's text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["vim"], "argument HOST takes one of 'claude-code', 'codex', 'gemini', 'cursor',"
+                  " 'claude-desktop'"),
+        (["codex", "--team", "https://m.example.com"],
+         "--team URL and --token-env VAR go together"),
+        (["codex", "--token-env", "T"], "--team URL and --token-env VAR go together"),
+        (["codex", "--team", "https://m.example.com", "--token-env", "$T"],
+         "--token-env takes the name of an environment variable, such as TOKEN"),
+        (["codex", "--team", "http://m.example.com", "--token-env", "T"],
+         "--team must use https (plain http only to 127.0.0.1, localhost, ::1)"),
+        (["codex", "--team", "https://alice:s3cret-pw@m.example.com", "--token-env", "T"],
+         "--team must not hold a user name or password"),
+        (["codex", "--team", "https://m.example.com", "--token-env", "T", "--child"],
+         "--child is for the local server; at --team a reader's token is a child"),
+        (["claude-desktop", "--team", "https://m.example.com", "--token-env", "T"],
+         "Claude Desktop cannot send a bearer token from an environment variable (its config"
+         " file takes local servers only); connect it to local memory (tactmem setup"
+         " claude-desktop) and bring team memory in with tactmem pull"),
+    ],
+)  # fmt: skip
+def test_setup_refuses_bad_input_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    argv: list[str], message: str,
+) -> None:  # fmt: skip
+    status, out, err = setup_cli(capsys, monkeypatch, tmp_path, *argv)
+    assert (status, out) == (2, "")
+    assert err == f"tactmem: usage: {message} (see tactmem --help)\n"
+    assert [path.name for path in tmp_path.iterdir()] == [".tact"]
+
+
+# The real hosts, offline (issue 27): each CLI, pinned in hosts/package-lock.json and installed by
+# `.ci/run` (`npm ci --ignore-scripts --prefix hosts`), is set up by `tactmem setup HOST --write`
+# in a temporary HOME and run non-interactively against hoststubs.StubModels on 127.0.0.1, which
+# plays a model that calls the memory tool; the test reads the tool results the host sent back.
+# Telemetry and updates are switched off by each host's own settings. Cursor and Claude Desktop
+# have no CLI: what `setup` writes for them is started exactly as written, with the MCP SDK.
+
+HOST_PINS = json.loads((HERE / "hosts" / "package.json").read_text())["dependencies"]
+
+HOST_CLIS = {  # each host: its package, its command, and what `--version` prints
+    "claude-code": ("@anthropic-ai/claude-code", "claude", "{} (Claude Code)"),
+    "codex": ("@openai/codex", "codex", "codex-cli {}"),
+    "gemini": ("@google/gemini-cli", "gemini", "{}"),
+}
+
+GEMINI_SETTINGS = {  # the user's own settings, which `setup --write` must keep
+    "security": {"auth": {"selectedType": "gemini-api-key"}},
+    "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
+    "privacy": {"usageStatisticsEnabled": False},
+    "telemetry": {"enabled": False},
+}
+
+SCAN_AND_READ: list[dict[str, Any]] = [
+    {"operation": "scan", "query": "how are ledgerline releases tagged"},
+    {"operation": "read", "ids": [1]},
+]
+
+
+@functools.cache
+def host_cli(host: str) -> str:
+    """The pinned CLI of `host` (its version checked once per process); a test fails, never
+    skips, when it is missing or another version."""
+    package, command, printed = HOST_CLIS[host]
+    path = HERE / "hosts" / "node_modules" / ".bin" / command
+    if not path.exists() or shutil.which("node") is None:
+        pytest.fail(f"the real host tests need node and {package}: npm ci --ignore-scripts"
+                    " --prefix hosts (.ci/run does it)")  # fmt: skip
+    with tempfile.TemporaryDirectory() as home:
+        shown = subprocess.run([str(path), "--version"], capture_output=True, text=True,
+                               env=host_env(Path(home)), timeout=60)  # fmt: skip
+    assert shown.stdout.strip() == printed.format(HOST_PINS[package]), shown
+    return str(path)
+
+
+def host_env(home: Path, **extra: str) -> dict[str, str]:
+    """A host's whole environment: HOME, node on PATH, nothing of the developer's, and a proxy
+    that refuses every connection but those to 127.0.0.1 (for the hosts that honour one)."""
+    node = os.path.dirname(shutil.which("node") or "/usr/bin/node")
+    nowhere = "http://127.0.0.1:9"  # the discard port: nothing listens
+    return {"HOME": str(home), "PATH": f"{node}:/usr/bin:/bin", "LANG": "C.UTF-8",
+            "HTTPS_PROXY": nowhere, "HTTP_PROXY": nowhere, "ALL_PROXY": nowhere,
+            "NO_PROXY": "127.0.0.1,localhost", **extra}  # fmt: skip
+
+
+def host_run(host: str, home: Path, origin: str, server: str = "tactmem", **extra: str) -> Any:
+    """Run `host` once, non-interactively, with tools approved and its model at `origin`."""
+    prompt = "How are releases tagged in ledgerline?"
+    runs: dict[str, tuple[list[str], dict[str, str]]] = {
+        "claude-code": (
+            ["-p", prompt, "--allowedTools", f"mcp__{server}__memory", "--output-format", "json"],
+            # MCP tools are declared up front (no tool search), once the servers are connected
+            {"ANTHROPIC_BASE_URL": origin, "ANTHROPIC_API_KEY": "sk-ant-stub",
+             "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
+             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "ENABLE_TOOL_SEARCH": "false",
+             "MCP_CONNECTION_NONBLOCKING": "false"},
+        ),
+        "codex": (
+            ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+             "-c", 'model_provider="stub"', "-c", 'model="gpt-5"',
+             "-c", f'model_providers.stub={{name="stub", base_url="{origin}/v1",'
+                   ' wire_api="responses", env_key="STUB_KEY"}',
+             # the first request waits for the MCP servers (by default it may go without them)
+             "-c", "mcp_optional_startup_grace_ms=30000",
+             "-c", "check_for_update_on_startup=false", "-c", "analytics.enabled=false", prompt],
+            {"STUB_KEY": "stub"},
+        ),
+        "gemini": (
+            ["-m", "gemini-2.5-flash", "-p", prompt, "--yolo", "--output-format", "json"],
+            {"GEMINI_API_KEY": "stub", "GOOGLE_GEMINI_BASE_URL": origin,
+             "GEMINI_CLI_TRUST_WORKSPACE": "true", "GEMINI_TELEMETRY_ENABLED": "false"},
+        ),
+    }  # fmt: skip
+    argv, env = runs[host]
+    work = home / "work"
+    work.mkdir(exist_ok=True)
+    ran = subprocess.run([host_cli(host), *argv], cwd=work, capture_output=True, text=True,
+                         env=host_env(home, **env, **extra), timeout=240)  # fmt: skip
+    assert ran.returncode == 0, (ran.stdout[-2000:], ran.stderr[-2000:])
+    return ran
+
+
+@pytest.fixture
+def host_home(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A HOME for a host, and a tactmem config (memory on) whose store holds LEDGERLINE."""
+    home, config = tmp_path / "home", write_config(tmp_path / "tact", "[memory]\nenabled = true\n")
+    (home / ".gemini").mkdir(parents=True)
+    (home / ".gemini" / "settings.json").write_text(json.dumps(GEMINI_SETTINGS, indent=2))
+    with Store(memory_db_path(config)) as store:
+        store.put(LEDGERLINE)
+    yield home, config
+
+
+def host_setup(home: Path, *argv: str, **extra: str) -> None:
+    """`tactmem setup ... --write` as a person runs it: the console script, in a subprocess."""
+    (command,) = tactmem._tactmem_command()
+    subprocess.run([command, "setup", *argv, "--write"], env=host_env(home, **extra),
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+
+
+@pytest.mark.parametrize("host", HOST_CLIS)
+@pytest.mark.slow
+def test_a_real_host_set_up_by_tactmem_calls_the_memory_tool(
+    host: str, host_home: tuple[Path, Path]
+) -> None:
+    home, config = host_home
+    host_setup(home, "--config", str(config), host)
+    if host == "gemini":  # the user's settings are kept beside the server
+        assert json.loads((home / ".gemini" / "settings.json").read_text()).items() >= (
+            GEMINI_SETTINGS.items()
+        )
+    stub = hoststubs.StubModels(SCAN_AND_READ)
+    try:
+        ran = host_run(host, home, stub.origin)
+    finally:
+        stub.close()
+    scan, read = stub.results  # the tool's answers, as the host passed them to the model
+    assert "In the `ledgerline` repository, releases are tagged by CI, never" in scan  # a card
+    assert LEDGERLINE in read and hoststubs.DONE in ran.stdout  # the record; the turn ended
+
+
+CHILD_REFUSALS = {
+    "claude-code": '"code": "not_root"',
+    "codex": '"code":"not_root"',
+    "gemini": "params must NOT have additional properties",
+}
+
+
+@pytest.mark.parametrize("host", HOST_CLIS)
+@pytest.mark.slow
+def test_a_real_host_set_up_with_child_cannot_put(host: str, host_home: tuple[Path, Path]) -> None:
+    home, config = host_home
+    host_setup(home, "--config", str(config), host, "--child")
+    stub = hoststubs.StubModels(
+        [{"operation": "put", "content": "In ledgerline, CI tags releases."}]
+    )
+    try:
+        host_run(host, home, stub.origin)
+    finally:
+        stub.close()
+    (refused,) = stub.results
+    # Gemini CLI checks a call against the child's schema (no `content`) before it sends it
+    assert CHILD_REFUSALS[host] in refused
+    with Store(memory_db_path(config)) as store:
+        assert [record.content for record in store.list()] == [LEDGERLINE]
+
+
+@pytest.mark.parametrize("host", HOST_CLIS)
+@pytest.mark.slow
+def test_a_real_host_reaches_the_team_servers_mcp_with_a_token_from_its_environment(
+    host: str, team: TeamServer, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    (home / ".gemini").mkdir(parents=True)
+    (home / ".gemini" / "settings.json").write_text(json.dumps(GEMINI_SETTINGS))
+    team.store("alice").put(LEDGERLINE)
+    host_setup(home, host, "--team", team.url, "--token-env", "TEAM_MEMORY_TOKEN")
+    written = [path.read_text() for path in home.rglob("*") if path.is_file()]
+    assert written and not any(ALICE_TOKEN in text for text in written)  # only its variable
+    stub = hoststubs.StubModels([SCAN_AND_READ[0]])
+    try:
+        host_run(host, home, stub.origin, "tactmem-team", TEAM_MEMORY_TOKEN=ALICE_TOKEN)
+    finally:
+        stub.close()
+    (scan,) = stub.results
+    assert "In the `ledgerline` repository, releases are tagged by CI" in scan
+    assert "alice" in scan  # a team card's key names its namespace
+
+
+@pytest.mark.parametrize("host", HOST_CLIS)
+@pytest.mark.slow
+def test_the_printed_command_makes_the_host_write_what_setup_writes(
+    host: str, tmp_path: Path
+) -> None:
+    """The command `setup` prints, run with the real CLI, leaves the entry `--write` leaves
+    (but for the defaults the host adds itself: Claude Code's `"type": "stdio"`, `"env": {}`),
+    in the same file: where the host's own variable (CLAUDE_CONFIG_DIR, CODEX_HOME,
+    GEMINI_CLI_HOME) points, when it is set."""
+    (command,) = tactmem._tactmem_command()
+    variable = {"claude-code": "CLAUDE_CONFIG_DIR", "codex": "CODEX_HOME",
+                "gemini": "GEMINI_CLI_HOME"}[host]  # fmt: skip
+    team = ["--team", "https://memory.example.com", "--token-env", "TEAM_MEMORY_TOKEN"]
+    for options, moved in (([], False), (["--child"], True), (team, False), (team, True)):
+        by_host, by_setup = tmp_path / "by-host", tmp_path / "by-setup"
+        for home in (by_host, by_setup):
+            shutil.rmtree(home, ignore_errors=True)
+            (home / "elsewhere").mkdir(parents=True)
+        own = {variable: str(by_host / "elsewhere")} if moved else {}
+        printed = subprocess.run([command, "--json", "setup", host, *options], check=True,
+                                 env=host_env(by_host, **own), capture_output=True,
+                                 text=True)  # fmt: skip
+        answer = json.loads(printed.stdout)
+        add = [host_cli(host), *answer["command"][1:]]
+        subprocess.run(add, env=host_env(by_host, **own), cwd=by_host, check=True,
+                       capture_output=True, timeout=60)  # fmt: skip
+        host_setup(
+            by_setup, host, *options, **({variable: str(by_setup / "elsewhere")} if moved else {})
+        )
+        entries = []
+        for home in (by_host, by_setup):
+            environ = {"HOME": str(home), **({variable: str(home / "elsewhere")} if moved else {})}
+            path = tactmem._host_config_path(tactmem._HOSTS[host], environ, "linux")
+            assert (path == answer["file"]) == (home == by_host)
+            assert (str(home / "elsewhere") in path) == moved
+            text = Path(path).read_text()
+            config = tomllib.loads(text) if host == "codex" else json.loads(text)
+            entry = config["mcp_servers" if host == "codex" else "mcpServers"][answer["name"]]
+            defaults = {"type": "stdio", "env": {}} if "command" in entry else {}
+            entries.append({k: v for k, v in entry.items() if defaults.get(k, ...) != v})
+        assert entries[0] == entries[1] == answer["entry"], options
+
+
+@pytest.mark.parametrize("host", ["cursor", "claude-desktop"])
+@pytest.mark.slow
+def test_cursor_and_claude_desktop_configs_start_tactmem_as_written(
+    host: str, host_home: tuple[Path, Path]
+) -> None:
+    """No CLI to run: the entry `setup --write` leaves in their config file is started exactly
+    as written (command, args, nothing else) by the MCP SDK's stdio client, as they start it."""
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    home, config = host_home
+    for child in (False, True):
+        host_setup(home, "--config", str(config), host, *(["--child"] * child))
+        path = tactmem._host_config_path(tactmem._HOSTS[host], {"HOME": str(home)}, sys.platform)
+        entry = json.loads(Path(path).read_text())["mcpServers"]["tactmem"]
+        assert set(entry) == {"command", "args"}
+        parameters = StdioServerParameters(command=entry["command"], args=entry["args"],
+                                           env=host_env(home), cwd=str(home))  # fmt: skip
+
+        async def session(parameters: StdioServerParameters) -> list[Any]:
+            async with Client(parameters) as client:
+                return [
+                    await client.call_tool("memory", SCAN_AND_READ[0]),
+                    await client.call_tool("memory", {"operation": "put", "content": "A b c."}),
+                ]
+
+        scan, put = asyncio.run(asyncio.wait_for(session(parameters), 60))
+        assert scan.structured_content["candidates"][0]["key"] == {"id": 1, "version": 1}
+        if child:
+            assert put.structured_content == {"error": {"code": "not_root",
+                "message": "memory mutation is only available to root agents"}}  # fmt: skip
+        else:  # the root's put, after its scan
+            assert put.structured_content["memory"]["key"] == {"id": 2, "version": 1}
+
+
+@pytest.mark.slow
+def test_cursors_team_entry_reaches_the_team_server_as_cursor_expands_it(
+    team: TeamServer, tmp_path: Path
+) -> None:
+    """Cursor has no CLI: its team entry, with `${env:VAR}` replaced as Cursor replaces it, is
+    sent by the MCP SDK's streamable HTTP client to the real team server."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    team.store("alice").put(LEDGERLINE)
+    home = tmp_path / "home"
+    host_setup(home, "cursor", "--team", team.url, "--token-env", "TEAM_MEMORY_TOKEN")
+    entry = json.loads((home / ".cursor" / "mcp.json").read_text())["mcpServers"]["tactmem-team"]
+    assert entry["headers"] == {"Authorization": "Bearer ${env:TEAM_MEMORY_TOKEN}"}
+    headers = {"Authorization": f"Bearer {ALICE_TOKEN}"}  # what Cursor sends, expanded
+
+    async def session() -> Any:
+        http = httpx2.AsyncClient(headers=headers, timeout=60)
+        async with Client(streamable_http_client(entry["url"], http_client=http)) as client:
+            return await client.call_tool("memory", SCAN_AND_READ[0])
+
+    scan = asyncio.run(asyncio.wait_for(session(), 60))
+    (card,) = scan.structured_content["candidates"]
+    assert card["key"] == {"id": 1, "version": 1, "namespace": "alice"}
+
+
 # ============================================================ command line (I/O)
 
 
@@ -8137,7 +8766,7 @@ def test_pure_sections_do_no_io() -> None:
     assert set(pure_sections(source)) == {
         "constants", "errors", "values", "core", "export, import and restore", "the browser",
         "evaluation", "evaluation: paired runs", "team memory: remote answers",
-        "team memory: push plans",
+        "team memory: push plans", "host setup",
     }  # fmt: skip
     assert impurities(source) == []
 
