@@ -49,8 +49,8 @@ import jsonschema
 import pyte
 import pytest
 
-import hoststubs
 import tactmem
+from fixtures.hosts import stubs as hoststubs
 from tactmem import (
     MEMORY_INSTRUCTIONS,
     MEMORY_REVIEW_CHECKPOINT,
@@ -5227,7 +5227,8 @@ def test_eval_shows_its_progress_on_a_terminals_standard_error(
             return True
 
     first, second = tmp_path / "a", tmp_path / "b"
-    first.mkdir(), second.mkdir()
+    first.mkdir()
+    second.mkdir()
     files = [scenario_file(first, SCENARIO), scenario_file(second, SCENARIO)]
     status, out, err = run_cli(capsys, "--json", "eval", *files)
     assert (status, err) == (0, "")
@@ -7609,14 +7610,15 @@ def test_setup_refuses_bad_input_in_one_line(
     assert [path.name for path in tmp_path.iterdir()] == [".tact"]
 
 
-# The real hosts, offline (issue 27): each CLI, pinned in hosts/package-lock.json and installed by
-# `.ci/run` (`npm ci --ignore-scripts --prefix hosts`), is set up by `tactmem setup HOST --write`
-# in a temporary HOME and run non-interactively against hoststubs.StubModels on 127.0.0.1, which
-# plays a model that calls the memory tool; the test reads the tool results the host sent back.
+# The real hosts, offline (issue 27): each CLI, pinned in fixtures/hosts/package-lock.json and
+# installed by `.ci/run` (`npm ci --ignore-scripts --prefix fixtures/hosts`), is set up by
+# `tactmem setup HOST --write` in a temporary HOME and run non-interactively against
+# hoststubs.StubModels on 127.0.0.1, which plays a model that calls the memory tool; the test
+# reads the tool results the host sent back.
 # Telemetry and updates are switched off by each host's own settings. Cursor and Claude Desktop
 # have no CLI: what `setup` writes for them is started exactly as written, with the MCP SDK.
 
-HOST_PINS = json.loads((HERE / "hosts" / "package.json").read_text())["dependencies"]
+HOST_PINS = json.loads((HERE / "fixtures" / "hosts" / "package.json").read_text())["dependencies"]
 
 HOST_CLIS = {  # each host: its package, its command, and what `--version` prints
     "claude-code": ("@anthropic-ai/claude-code", "claude", "{} (Claude Code)"),
@@ -7642,10 +7644,10 @@ def host_cli(host: str) -> str:
     """The pinned CLI of `host` (its version checked once per process); a test fails, never
     skips, when it is missing or another version."""
     package, command, printed = HOST_CLIS[host]
-    path = HERE / "hosts" / "node_modules" / ".bin" / command
+    path = HERE / "fixtures" / "hosts" / "node_modules" / ".bin" / command
     if not path.exists() or shutil.which("node") is None:
         pytest.fail(f"the real host tests need node and {package}: npm ci --ignore-scripts"
-                    " --prefix hosts (.ci/run does it)")  # fmt: skip
+                    " --prefix fixtures/hosts (.ci/run does it)")  # fmt: skip
     with tempfile.TemporaryDirectory() as home:
         shown = subprocess.run([str(path), "--version"], capture_output=True, text=True,
                                env=host_env(Path(home)), timeout=60)  # fmt: skip
