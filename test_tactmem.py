@@ -9760,7 +9760,6 @@ SHELL_EXPECTED: dict[str, dict[str, list[Any]]] = {
     "README.md": {
         "python3 -m venv": [[".venv"]],
         "pip": [["install", ".[mcp]"]],
-        "claude": [CLAUDE_ADD],
         "exit": [[["eval", "--paired", "fixtures/eval/paired/example.jsonl"], 1]],
     },
     "docs/development.md": {
@@ -9840,6 +9839,17 @@ def test_every_shell_block_of_the_docs_runs(document: str, tmp_path: Path) -> No
     if document == "README.md":  # `tactmem enable`, `disable`, `enable` left memory on, privately
         config = home / ".tact" / "config.toml"
         assert load_config(config).memory_enabled and stat.S_IMODE(config.stat().st_mode) == 0o600
+        # `setup … --write` for each host, and `--team`: entries by absolute path, no token
+        claude = json.loads((home / ".claude.json").read_text())["mcpServers"]
+        assert os.path.isabs(claude["tactmem"]["command"]) and claude["tactmem"]["args"] == ["mcp"]
+        bearer = {"Authorization": "Bearer ${TEAM_MEMORY_TOKEN}"}
+        assert claude["tactmem-team"]["headers"] == bearer
+        assert "[mcp_servers.tactmem]" in (home / ".codex" / "config.toml").read_text()
+        desktop = ".config/Claude/claude_desktop_config.json"
+        for written in (".gemini/settings.json", ".cursor/mcp.json", desktop):
+            assert "tactmem" in json.loads((home / written).read_text())["mcpServers"]
+        files = [path for path in home.rglob("*") if path.is_file()]
+        assert not any(b"team-token" in path.read_bytes() for path in files)
 
 
 def test_every_json_block_of_the_docs_is_used(tmp_path: Path) -> None:
