@@ -8471,11 +8471,11 @@ def test_cli_refusals_are_one_line_without_content(tmp_path: Path) -> None:
         done = run_tactmem("--db", str(db), command, str(file))
         message = "export line 3: memory content was rejected as a likely secret"
         assert (done.returncode, done.stdout) == (1, b"")
-        assert done.stderr == f"tactmem: {message}\n".encode()
+        assert done.stderr == f"tactmem: {message} (rule: provider_token)\n".encode()
         as_json = run_tactmem("--json", "--db", str(db), command, str(file))
         assert (as_json.returncode, as_json.stderr) == (1, b"")
         assert json.loads(as_json.stdout) == {
-            "error": {"code": "secret_rejected", "message": message}
+            "error": {"code": "secret_rejected", "message": message, "rule": "provider_token"}
         }
     done = run_tactmem("--db", str(db), "import", str(tmp_path / "missing.jsonl"))
     assert (done.returncode, done.stderr) == (
