@@ -9759,7 +9759,8 @@ POSTGRES_URL = "postgresql://tactmem@db.internal/tactmem"
 SHELL_EXPECTED: dict[str, dict[str, list[Any]]] = {
     "README.md": {
         "python3 -m venv": [[".venv"]],
-        "pip": [["install", ".[mcp]"]],
+        "pip": [["install", ".[mcp]"], ["install", ".[test]", "./server"]],
+        "python -m pytest": [[[], None]],
         "exit": [[["eval", "--paired", "fixtures/eval/paired/example.jsonl"], 1]],
     },
     "docs/development.md": {
