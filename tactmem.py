@@ -3879,26 +3879,9 @@ def _switch_memory(path: str, enabled: bool) -> bool:
     edited = _with_memory_enabled(data.decode("utf-8"), enabled)
     if edited is None:
         raise ConfigError(f"[memory] in {path} is written in a form tactmem does not edit")
-    _replace_file(target, edited.encode("utf-8"))
+    mode = stat.S_IMODE(os.stat(target).st_mode)
+    _write_private(target, edited.encode("utf-8"), ".tactmem-config-", mode)
     return True
-
-
-def _replace_file(path: str, data: bytes) -> None:
-    """Write `data` as the file at `path` all at once, keeping its permissions."""
-    directory, name = os.path.split(path)
-    temporary = os.path.join(directory, f".{name}.tactmem-{os.getpid()}")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with open(descriptor, "wb") as file:
-            os.chmod(temporary, stat.S_IMODE(os.stat(path).st_mode))
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
 
 
 def _git_common_dir(path: str) -> str | None:
@@ -3977,8 +3960,11 @@ def _check_token(token: object) -> str:
     return token
 
 
-def _write_private(name: str, data: bytes, prefix: str = ".tactmem-export-") -> None:
-    """Write a whole file `0600` or nothing: a temporary file beside it, then a rename."""
+def _write_private(
+    name: str, data: bytes, prefix: str = ".tactmem-export-", mode: int = 0o600
+) -> None:
+    """Write a whole file (`mode`, 0600 unless told) or nothing: a temporary file beside it,
+    then a rename."""
     import tempfile
 
     try:
@@ -3988,6 +3974,7 @@ def _write_private(name: str, data: bytes, prefix: str = ".tactmem-export-") -> 
         raise InvalidRequest("the export file's name is one no file can have") from None
     try:
         with open(descriptor, "wb") as file:
+            os.chmod(temporary, mode)
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
@@ -7540,10 +7527,8 @@ def _write_host_config(host: _Host, path: str, name: str, entry: dict[str, Any])
     backup = ""
     if data:
         backup = f" (the old file is {path}.tactmem.bak)"
-        _write_private(target + ".tactmem.bak", data, prefix=".tactmem-setup-")
-        os.chmod(target + ".tactmem.bak", mode)
-    _write_private(target, new, prefix=".tactmem-setup-")
-    os.chmod(target, mode)
+        _write_private(target + ".tactmem.bak", data, ".tactmem-setup-", mode)
+    _write_private(target, new, ".tactmem-setup-", mode)
     return f"wrote the {name} server into {path}{backup}"
 
 
