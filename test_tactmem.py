@@ -5713,16 +5713,13 @@ class StubServer:
 
             do_GET = do_POST = answer
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = hoststubs.serve(Handler)
 
     def store(self, **options: Any) -> tactmem.RemoteStore:
         return tactmem.RemoteStore(self.url, "alice", ALICE_TOKEN, **options)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        hoststubs.stop(self.server)
 
 
 SESSION: Any = (200, {}, {"protocol_version": 1, "namespace": "alice", "role": "writer"})
@@ -9173,20 +9170,13 @@ class StubModel:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.origin = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
-        )
-        self.thread.start()
+        self.server, self.origin = hoststubs.serve(Handler)
 
     def bodies(self, path: str) -> list[Any]:
         return [body for where, _, body in self.requests if where == path]
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
+        hoststubs.stop(self.server)
 
 
 @pytest.fixture
