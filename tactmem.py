@@ -73,7 +73,7 @@ if __name__ == "__main__":  # `python -m tactmem`: let `import tactmem` find thi
 
 __version__ = "0.1.0"
 
-__all__ = [  # sorted; each is documented in the README
+__all__ = [  # sorted; each is documented in docs/python-api.md
     "Backend", "Candidate", "Config", "ConfigError", "Conflict", "ContentCapacity",
     "ContentTooLarge", "DatabaseCapacity", "DiskFull", "Duplicate", "EmptyContent", "Export",
     "InvalidExport", "InvalidRequest", "Key", "Limits", "MEMORY_INSTRUCTIONS",
@@ -924,7 +924,7 @@ def _run_tokens(run: str) -> tuple[str, ...]:
 
 
 def tokenize(text: str) -> list[str]:
-    """Split text into lowercase search terms, the reference's way (see the README)."""
+    """Split text into lowercase search terms, the reference's way (docs/behaviour.md)."""
     return list(itertools.chain.from_iterable(map(_run_tokens, _word_runs(text))))
 
 
@@ -3023,7 +3023,7 @@ def _store_error(error: sqlite3.Error, path: str, limits: Limits) -> TactmemErro
 
 # ------------------------------------------------------------ the side cache
 # `<database>-cache` keeps `_Derived` by `_digest` for the next process, so that its first scan
-# need not tokenize and check every row again (README, "Decisions"). A header naming this
+# need not tokenize and check every row again (docs/behaviour.md, "Decisions"). A header naming this
 # exact build of tactmem (its source's digest) and the Unicode database it reads, then
 # `[digest, hidden, counts]` JSON lines, each after the CRC-32 of its JSON; appended under the
 # database's write lock and rewritten with only live texts when dead ones pile up.
@@ -4064,7 +4064,7 @@ def _serve_mcp(tool: MemoryTool | None, off: TactmemError | None, *, root: bool)
 
 
 # ------------------------------------------------------------ export, import and restore (pure)
-# `tactmem export`, `import` and `restore` (README, "Export, import and restore"): a manifest
+# `tactmem export`, `import` and `restore` (docs/cli.md, "Export, import and restore"): a manifest
 # line, then one line per record in the reference's record JSON (§6), ids ascending.
 
 
@@ -4944,11 +4944,11 @@ def _next_key_waiting(screen: Any) -> bool:
 
 
 # ------------------------------------------------------------ evaluation (pure)
-# `tactmem eval` (README, "Evaluating memory"): scenario steps are checked here, run through
+# `tactmem eval` (docs/evaluation.md): scenario steps are checked here, run through
 # `MemoryTool` by the shell's `_Scenario`, and scored here; paired agent runs are judged here.
 
 
-# The operating point `tactmem eval --sweep` chose on the development scenarios (README).
+# The operating point `tactmem eval --sweep` chose on the development scenarios (docs/evaluation.md).
 RECOMMENDED_MIN_COVERAGE: Final = 0.34
 
 
@@ -5324,7 +5324,7 @@ def _eval_report(
     thresholds: Mapping[str, Any],
     baseline: Sequence[_RunFigures] = (),
 ) -> dict[str, Any]:
-    """The report of `tactmem eval` (its keys are documented in the README)."""
+    """The report of `tactmem eval` (its keys are documented in docs/evaluation.md)."""
     scans = [scan for run in runs for scan in run.scans]
     counts = sum((Counter(run.contract) for run in runs), Counter[str]())
     missed = [miss for run in runs for miss in run.missed]
@@ -5812,7 +5812,7 @@ def _paired_command(arguments: argparse.Namespace, thresholds: Mapping[str, Any]
 
 
 # ------------------------------------------------------------ team memory: remote answers (pure)
-# Team memory (README, "Team memory"): what `RemoteStore` checks before it sends anything and
+# Team memory (docs/team.md): what `RemoteStore` checks before it sends anything and
 # in every answer of a server speaking Tact's remote protocol v1 before any of it is used:
 # its shape, exactly (`_REMOTE_ANSWERS`), then the original client's bounds and order. A
 # `_screened` card or record (secret-shaped, or holding a NUL) is dropped. Every refusal is a
@@ -5955,7 +5955,7 @@ def _remote_page(
     return [r for r in records if not _screened(r.content)], following
 
 
-# What each error code of the protocol means here (README, "Team memory").
+# What each error code of the protocol means here (docs/team.md).
 _REMOTE_FAILURES: Final[dict[str, Callable[[], TactmemError]]] = {
     "conflict": Conflict, "duplicate": Duplicate, "not_found": NotFound,
     "record_capacity": lambda: RecordCapacity(_DEFAULT_LIMITS.records),
@@ -6058,7 +6058,7 @@ def _wire_record(record: Record) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------ team memory: push plans (pure)
-# `tactmem push` (README, "The push rule"). A push changes only the team records this store
+# `tactmem push` (docs/team.md, "The push rule"). A push changes only the team records this store
 # has seen as they are now, and never what a key means: a replaced record gets a version above
 # every one seen, a new record an id the namespace has not used. What this store has seen are
 # its links (`_Link`), kept beside the store by each push and pull; what the team holds comes
@@ -6845,7 +6845,7 @@ class RemoteStore:
 
 
 # ------------------------------------------------------------ team memory: the team links (I/O)
-# `<database>-team` (README, "The push rule"): this store's `_Link`s, by server and namespace,
+# `<database>-team` (docs/team.md, "The push rule"): this store's `_Link`s, by server and namespace,
 # as JSON, written whole (a temporary file, then a rename) by each push and pull. Before its
 # sync a push writes the links its plan will make as `pending`, and before its merge a pull
 # the records it fetched as `pulled`, so a process killed between the two steps loses nothing:
@@ -7002,7 +7002,7 @@ def _team(config: Config | None) -> RemoteConfig:
 
 
 def _push_command(store: Store, arguments: argparse.Namespace, config: Config | None) -> int:
-    """`push [--dry-run] [--force]` (README, "The push rule"): plan against what the namespace
+    """`push [--dry-run] [--force]` (docs/team.md, "The push rule"): plan against what the namespace
     holds now (`_plan_push`), then sync; planned again (at most 3 passes) when the namespace
     changed before the sync could land (a tactmem-server refuses it then) or the local store
     changed meanwhile. Exit 1 when the push is, or a dry run's would be, refused."""
@@ -7616,7 +7616,7 @@ class core:
     """The public seam a second backend builds on (the team server, `tactmem-server`): the
     store rules and their values, the corpus, the team tool's checks of requests and answers,
     the MCP glue, and what a SQLite backend shares with `Store`. Code outside this file uses
-    these names (README, "Architecture"), never a private one; they change only with notice."""
+    these names (docs/architecture.md), never a private one; they change only with notice."""
 
     # The store rules (the core's "store rules" section) and the values they take and give.
     Put: typing.TypeAlias = _Put

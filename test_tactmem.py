@@ -9737,11 +9737,6 @@ with open(os.environ["STUB_LOG"], "a") as log:
 STUBBED = ("pip", "python", "python3", "claude", "createdb", "tactmem-server", "tactmem")
 
 
-CLAUDE_ADD = [
-    "mcp", "add", "--transport", "http", "team-memory", "https://memory.example.com/mcp",
-    "--header", "Authorization: Bearer team-token",
-]  # fmt: skip
-
 POSTGRES_URL = "postgresql://tactmem@db.internal/tactmem"
 
 # What the stubs of each document's blocks were given (the rest were not named), and the
@@ -9758,8 +9753,6 @@ SHELL_EXPECTED: dict[str, dict[str, list[Any]]] = {
         "python -m pytest": [[[], None], [["-m", "not slow"], "quick"]],
     },
     "docs/evaluation.md": {"exit": [[["eval", "--paired", "runs.jsonl"], 1]]},
-    "docs/team.md": {"claude": [CLAUDE_ADD]},
-    "docs/server.md": {"claude": [CLAUDE_ADD]},
     "server/README.md": {
         "pip": [["install", ".", "./server"]],
         "createdb": [["-E", "UTF8", "-T", "template0", "tactmem"]],

@@ -618,7 +618,7 @@ def run_process(argv: Sequence[str]) -> tuple[int, str]:
         argv, cwd=ROOT, env=PROCESS_ENV, capture_output=True, text=True, encoding="utf-8"
     )
     elapsed = time.perf_counter_ns() - start
-    if done.returncode not in (0, 3):  # 3: a scan that found nothing (the README's exit table)
+    if done.returncode not in (0, 3):  # 3: a scan that found nothing (docs/cli.md's exit table)
         sys.exit(f"{argv[:4]} failed with {done.returncode}: {done.stderr.strip()[-400:]}")
     return elapsed, done.stdout
 
