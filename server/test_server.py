@@ -2063,7 +2063,9 @@ def test_the_docs_mcp_servers_entry_reaches_the_team_tool(start: Callable[..., S
     assert (entry["type"], entry["url"]) == ("http", "https://memory.example.com/mcp")
     server = start()
     url = entry["url"].replace("https://memory.example.com", server.url)
-    headers = {name: value.replace("<token>", ALICE) for name, value in entry["headers"].items()}
+    # the host expands ${TEAM_MEMORY_TOKEN} from its environment; here, to a writer's token
+    headers = {k: v.replace("${TEAM_MEMORY_TOKEN}", ALICE) for k, v in entry["headers"].items()}
+    assert headers == {"Authorization": f"Bearer {ALICE}"}
 
     async def session() -> Any:
         http = httpx2.AsyncClient(headers=headers, timeout=60)
