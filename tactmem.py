@@ -4948,7 +4948,8 @@ def _next_key_waiting(screen: Any) -> bool:
 # `MemoryTool` by the shell's `_Scenario`, and scored here; paired agent runs are judged here.
 
 
-# The operating point `tactmem eval --sweep` chose on the development scenarios (docs/evaluation.md).
+# The operating point `tactmem eval --sweep` chose on the development scenarios
+# (docs/evaluation.md).
 RECOMMENDED_MIN_COVERAGE: Final = 0.34
 
 

@@ -86,9 +86,9 @@ _CREDENTIALS_FILE_BYTES: Final = 1 << 20
 _ROLES: Final = ("reader", "writer")
 _RETRIES: Final = 3  # a transaction PostgreSQL aborted for a deadlock is run again this often
 _GRACE_S: Final = 5.0  # past the store timeout, a request stops waiting for a stuck thread
-# Beyond the original (docs/server.md, "Safe pushes"): each export answer says, in these headers, the
-# caller's namespace's change counter, next id and row count, and a sync naming the counter in
-# `IF_CHANGES` is refused (409 conflict, nothing changed) if the counter has moved since.
+# Beyond the original (docs/server.md, "Safe pushes"): each export answer says, in these
+# headers, the caller's namespace's change counter, next id and row count, and a sync naming the
+# counter in `IF_CHANGES` is refused (409 conflict, nothing changed) if the counter has moved since.
 FACT_HEADERS: Final = ("x-tactmem-changes", "x-tactmem-next-id", "x-tactmem-records")
 IF_CHANGES: Final = "x-tactmem-if-changes"
 _SIGNED: Final = re.compile(rb"-?[0-9]{1,19}")
