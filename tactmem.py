@@ -3828,7 +3828,9 @@ def _check_private(path: str) -> None:
 # `tactmem enable` and `disable` set `[memory] enabled` by editing that one line of the file's
 # text (or adding it), so every other byte stays; the edit counts only if the file then parses to
 # exactly what it held before with `enabled` changed.
-_MEMORY_TABLE: Final = re.compile(r"^[ \t]*\[[ \t]*memory[ \t]*\][ \t]*(?:#.*)?$", re.MULTILINE)
+_MEMORY_TABLE: Final = re.compile(
+    r"^[ \t]*\[[ \t]*memory[ \t]*\][ \t]*(?:#[^\r\n]*)?(?=\r?$)", re.MULTILINE
+)
 _NEXT_TABLE: Final = re.compile(r"^[ \t]*\[", re.MULTILINE)
 _ENABLED_KEY: Final = re.compile(r"^([ \t]*enabled[ \t]*=[ \t]*)(?:true|false)\b", re.MULTILINE)
 
@@ -3838,16 +3840,17 @@ def _with_memory_enabled(text: str, enabled: bool) -> str | None:
     import tomllib
 
     value = "true" if enabled else "false"
+    newline = "\r\n" if "\r\n" in text else "\n"  # a file's own line endings are kept
     table = _MEMORY_TABLE.search(text)
     if table is None:
-        gap = "" if not text else "\n" if text.endswith("\n") else "\n\n"
-        edited = f"{text}{gap}[memory]\nenabled = {value}\n"
+        gap = "" if not text else newline if text.endswith("\n") else newline * 2
+        edited = f"{text}{gap}[memory]{newline}enabled = {value}{newline}"
     else:
         following = _NEXT_TABLE.search(text, table.end())
         end = len(text) if following is None else following.start()
         key = _ENABLED_KEY.search(text, table.end(), end)
         if key is None:
-            edited = f"{text[: table.end()]}\nenabled = {value}{text[table.end() :]}"
+            edited = f"{text[: table.end()]}{newline}enabled = {value}{text[table.end() :]}"
         else:
             edited = f"{text[: key.end(1)]}{value}{text[key.end() :]}"
     wanted = tomllib.loads(text)
@@ -7433,6 +7436,15 @@ def _json_merge(text: str, name: str, entry: dict[str, Any]) -> str:
 # A line that opens a TOML table (`[a.b]`, `[[a]]`); a multi-line value can hold one too, which
 # the re-parse of the merged text catches.
 _TOML_HEADER: Final = re.compile(r"^[ \t]*\[\[?([^\]\n]*)\]", re.MULTILINE)
+_TOML_TAIL: Final = re.compile(r"^(?:[ \t]*(?:#[^\n]*)?(?:\r?\n|\Z))+\Z", re.MULTILINE)
+
+
+def _own_end(text: str, start: int, after: Sequence[re.Match[str]]) -> int:
+    """Where the text of the table whose header ends at `start` ends: at the next header, or
+    the end, but before the blank and comment lines leading there (they are the next one's)."""
+    end = after[0].start() if after else len(text)
+    tail = _TOML_TAIL.search(text, start, end)
+    return end if tail is None else tail.start()
 
 
 def _toml_table(name: str, entry: dict[str, Any]) -> str:
@@ -7455,7 +7467,7 @@ def _toml_merge(text: str, name: str, entry: dict[str, Any]) -> str:
     ours = re.compile(rf"""\s*mcp_servers\s*\.\s*(?:{name}|"{name}"|'{name}')\s*(?:\..*)?""")
     headers = list(_TOML_HEADER.finditer(text))
     spans = [
-        (header.start(), headers[at + 1].start() if at + 1 < len(headers) else len(text))
+        (header.start(), _own_end(text, header.end(), headers[at + 1 :]))
         for at, header in enumerate(headers)
         if ours.fullmatch(header.group(1))
     ]
@@ -7463,10 +7475,11 @@ def _toml_merge(text: str, name: str, entry: dict[str, Any]) -> str:
     if not spans:
         gap = "" if not text.strip() else "\n" if text.endswith("\n") else "\n\n"
         return text + gap + table
-    for begin, end in reversed(spans[1:]):
-        text = text[:begin] + text[end:]
+    for begin, end in reversed(spans[1:]):  # with the blank lines before it
+        before = text[:begin].rstrip(" \t\r\n")
+        text = text[: text.index("\n", len(before)) + 1 if before else 0] + text[end:]
     begin, end = spans[0]
-    return text[:begin] + table + ("\n" if text[begin:end].endswith("\n\n") else "") + text[end:]
+    return text[:begin] + table + text[end:]
 
 
 # ------------------------------------------------------------ host setup (I/O)

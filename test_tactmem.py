@@ -7329,6 +7329,16 @@ def test_the_toml_merge_adds_or_replaces_one_table_and_keeps_every_other_byte() 
     }  # fmt: skip
     odd = {"command": '/a "quoted"\\path\tü', "args": ["mcp"]}
     assert tomllib.loads(merged("toml", "", odd))["mcp_servers"]["tactmem"] == odd
+    # the comment and blank lines before the next header (or the end) are that header's, not ours;
+    # a sub-table of ours goes with the blank lines before it
+    commented = (
+        '[mcp_servers.tactmem]\ncommand = "tactmem"\n\n# the github server: keep\n'
+        '[mcp_servers.github]\nurl = "g"\n\n[mcp_servers.tactmem.env]\nX = "1"\n# trailing\n'
+    )
+    assert merged("toml", commented) == (
+        '[mcp_servers.tactmem]\ncommand = "/opt/venv/bin/tactmem"\nargs = ["mcp"]\n\n'
+        '# the github server: keep\n[mcp_servers.github]\nurl = "g"\n# trailing\n'
+    )
 
 
 @pytest.mark.parametrize(
@@ -7949,6 +7959,24 @@ def test_enable_keeps_every_other_byte_the_mode_and_the_link_of_an_existing_conf
         edited = before.replace("[memory] # team\n", f"[memory] # team\nenabled = {value}\n")
         assert real.read_text() == edited and load_config(link).remote is not None
     assert sorted(os.listdir(real.parent)) == ["config.toml"]
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("# mine\r\n[memory]\r\nenabled = false\r\n", "# mine\r\n[memory]\r\nenabled = true\r\n"),
+        ("[memory] # on\r\nx = 1\r\n".replace("x = 1", "# x"),
+         "[memory] # on\r\nenabled = true\r\n# x\r\n"),
+        ("model = 'x'\r\n", "model = 'x'\r\n\r\n[memory]\r\nenabled = true\r\n"),
+    ],
+)  # fmt: skip
+def test_enable_edits_a_config_with_windows_line_endings_in_its_own_style(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], before: str, after: str
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_bytes(before.encode())
+    assert run_cli(capsys, "--config", str(config), "enable")[0] == 0
+    assert config.read_bytes() == after.encode() and load_config(config).memory_enabled
 
 
 @pytest.mark.parametrize(
