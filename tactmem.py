@@ -3998,7 +3998,7 @@ _McpSurface = tuple[dict[str, Any], Callable[[dict[str, Any]], dict[str, Any]]]
 def _mcp_server(
     surface: Callable[[Any], _McpSurface], *, instructions: str | None = None, limiter: Any = None
 ) -> Any:
-    """The `memory` tool as a low-level server of the official MCP SDK (the `tactmem[mcp]`
+    """The `memory` tool as a low-level server of the official MCP SDK (the `mcp`
     extra), for any transport: `tactmem mcp` serves it on stdio, `tactmem-server` over
     streamable HTTP. `surface(context)` picks, per request, what the caller sees and who
     answers; a call runs in a worker thread (of `limiter`, when given) and its answer travels
@@ -4033,7 +4033,7 @@ def _mcp_server(
 
 
 def _serve_mcp(tool: MemoryTool | None, off: TactmemError | None, *, root: bool) -> None:
-    """Serve `tool` over MCP stdio with the official SDK (the `tactmem[mcp]` extra); when
+    """Serve `tool` over MCP stdio with the official SDK (the `mcp` extra); when
     memory is `off` (disabled, or the config is broken), a tool that answers every call with
     that error and touches no store."""
     try:
@@ -8027,7 +8027,7 @@ _COMMANDS: Final[dict[str, tuple[str, _Run | None]]] = {
     "restore": ("recreate a backup exactly, into a new and empty store", _restore_command),
     "browse": ("browse, read and delete memories in the terminal", _browse_command),
     "tool": ("serve the memory tool as JSON lines on stdin and stdout", _serve_command),
-    "mcp": ("serve the memory tool over MCP stdio (needs tactmem[mcp])", _serve_command),
+    "mcp": ("serve the memory tool over MCP stdio (pip install '.[mcp]')", _serve_command),
     "push": ("send the local records to this namespace on the team server", _push_command),
     "pull": ("merge team memory into the local store, with fresh ids", _pull_command),
     "enable": ("turn memory on for agents, in the config file", None),
