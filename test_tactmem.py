@@ -7679,10 +7679,12 @@ def host_run(host: str, home: Path, origin: str, server: str = "tactmem", **extr
         "claude-code": (
             ["-p", prompt, "--allowedTools", f"mcp__{server}__memory", "--output-format", "json"],
             # MCP tools are declared up front (no tool search), once the servers are connected
+            # (waiting up to 120 s for each: a loaded machine starts `tactmem mcp` slowly)
             {"ANTHROPIC_BASE_URL": origin, "ANTHROPIC_API_KEY": "sk-ant-stub",
              "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
              "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "ENABLE_TOOL_SEARCH": "false",
-             "MCP_CONNECTION_NONBLOCKING": "false"},
+             "MCP_CONNECTION_NONBLOCKING": "false",
+             "MCP_TIMEOUT": "120000"},
         ),
         "codex": (
             ["exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
