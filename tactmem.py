@@ -7705,10 +7705,10 @@ def _closest_option(words: str) -> str:
     known = ["--db", "--config", "--json", "--help", "--version"]
     known += [flag for options in _ARGUMENTS.values() for flags, _ in options for flag in flags]
     for word in words.split():
-        if word.startswith("--"):
-            close = difflib.get_close_matches(word.partition("=")[0], known, n=1, cutoff=0.6)
-            if close:
-                return f"; did you mean {close[0]}?"
+        typed = word.partition("=")[0]
+        close = difflib.get_close_matches(typed, known, n=1, cutoff=0.6)
+        if word.startswith("--") and close and close[0] != typed:  # not another command's own
+            return f"; did you mean {close[0]}?"
     return ""
 
 

@@ -8377,6 +8377,7 @@ def test_a_mistyped_option_is_answered_with_the_closest_known_one(
         (["scan", "deploys", "--limt", "3"], "; did you mean --limit?"),
         (["put", "x", "--replac3=7@2"], "; did you mean --replace?"),
         (["list", "--hunter22zorblax"], ""),
+        (["list", "--limit", "3"], ""),  # scan's option, not list's: no guess of itself
     ):
         status, out, err = run_cli(capsys, "--db", str(db), *argv)
         wording = (
