@@ -5476,13 +5476,27 @@ _RETRIEVAL: Final = {
 _SWEEP: Final = tuple(round(0.02 * step, 2) for step in range(26))  # 0 to 0.5
 
 
-def _sweep_lines(rows: Sequence[tuple[float, Mapping[str, Any]]]) -> Iterator[str]:
+def _sweep_lines(curve: Sequence[Mapping[str, Any]]) -> Iterator[str]:
+    """The curve overall, then what each category pays: its recall@5 (scans with an answer)
+    and false retrieval (scans without), in hundredths, at every point of the grid."""
     yield f"{'min_coverage':>12}{'recall@5':>10}{'MRR':>8}{'false retrieval':>17}"
-    for threshold, figures in rows:
-        cells = (figures["recall_at_5"], figures["mrr"], figures["false_retrieval"])
-        yield f"{threshold:>12.2f}" + "".join(
+    for point in curve:
+        cells = (point["recall_at_5"], point["mrr"], point["false_retrieval"])
+        yield f"{point['min_coverage']:>12.2f}" + "".join(
             f"{_figure(value):>{width}}" for value, width in zip(cells, (10, 8, 17), strict=True)
         )
+    for figure, title in (("recall_at_5", "recall@5"), ("false_retrieval", "false retrieval")):
+        yield ""
+        yield f"{title} per category (x100), min_coverage {_SWEEP[0]:g} to {_SWEEP[-1]:g}:"
+        yield f"{'':<20}" + "".join(f"{round(point * 100):>4}" for point in _SWEEP)
+        for category, first in curve[0]["per_category"].items():
+            if first[figure] is None:
+                continue
+            name = _displayable(category)  # categories come from the user's files
+            name = name if len(name) <= 14 else name[:13] + "\u2026"
+            label = f"{name} ({first['scans']})"
+            values = (point["per_category"][category][figure] for point in curve)
+            yield f"{label:<20}" + "".join(f"{round(value * 100):>4}" for value in values)
 
 
 def _paired_lines(report: Mapping[str, Any]) -> Iterator[str]:
@@ -5793,9 +5807,11 @@ def _sweep_command(
 ) -> int:
     """`tactmem eval --sweep`: the curve, from one run (scans leave the ranking as it was)."""
     runs = _run_scenarios(scenarios, 0.0, _SWEEP)
-    rows = [(x, _retrieval([scan for run in runs for scan in run.swept[x]])) for x in _SWEEP]
-    curve = [{"min_coverage": x, **figures} for x, figures in rows]
-    print(_json(curve) if arguments.json else "\n".join(_sweep_lines(rows)))
+    scans = {x: [scan for run in runs for scan in run.swept[x]] for x in _SWEEP}
+    rows = [(x, _retrieval(scans[x])) for x in _SWEEP]
+    grouped = {x: _grouped(scans[x], lambda scan: scan.category) for x in _SWEEP}
+    curve = [{"min_coverage": x, **figures, "per_category": grouped[x]} for x, figures in rows]
+    print(_json(curve) if arguments.json else "\n".join(_sweep_lines(curve)))
     missed = sum(len(run.missed) for run in runs)
     if missed:
         print(f"tactmem: {missed} expectations missed; run without --sweep to see them",

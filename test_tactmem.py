@@ -5371,9 +5371,28 @@ def test_the_sweep_agrees_with_a_run_at_each_point(
     )
     false = [row["false_retrieval"] for row in rows]
     assert false == sorted(false, reverse=True) and false[0] > false[-1]
+    dev = [run for run, (file, *_) in zip(runs, scenarios, strict=True) if file == source]
+    for row in rows:  # what each category pays at each point, as a run at that point counts it
+        swept = dev[0].swept[row["min_coverage"]]
+        assert row["per_category"] == tactmem._grouped(swept, lambda scan: scan.category)
+    assert (
+        rows[0]["per_category"]["paraphrase"]["recall_at_5"]
+        > rows[-1]["per_category"]["paraphrase"]["recall_at_5"]
+    )
     status, out, _ = run_cli(capsys, "eval", "--sweep", source)
-    assert out.splitlines()[0].split() == ["min_coverage", "recall@5", "MRR", "false", "retrieval"]
-    assert len(out.splitlines()) == 27
+    lines = out.splitlines()
+    assert lines[0].split() == ["min_coverage", "recall@5", "MRR", "false", "retrieval"]
+    recall = lines.index("recall@5 per category (x100), min_coverage 0 to 0.5:")
+    false_at = lines.index("false retrieval per category (x100), min_coverage 0 to 0.5:")
+    assert recall == 28 and lines[recall + 1].split() == [
+        str(round(x * 100)) for x in tactmem._SWEEP
+    ]
+    paraphrase = next(line for line in lines[recall:false_at] if line.startswith("paraphrase ("))
+    assert paraphrase.split()[2:] == [
+        str(round(row["per_category"]["paraphrase"]["recall_at_5"] * 100)) for row in rows
+    ]
+    near_miss = next(line for line in lines[false_at:] if line.startswith("near_miss ("))
+    assert near_miss.split()[2] == "100"  # nothing answers them, and at 0 every one gets a card
     directory.cleanup()
 
 
