@@ -7626,7 +7626,9 @@ def _setup_command(arguments: argparse.Namespace) -> int:
     entry = _server_entry(host, command, team)
     path = _host_config_path(host, os.environ, sys.platform)
     if arguments.write:
-        print(_write_host_config(host, path, name, entry))
+        done = _write_host_config(host, path, name, entry)
+        print(_json({"host": arguments.host, "file": path, "name": name, "done": done})
+              if arguments.json else done)  # fmt: skip
     elif arguments.json:
         add = None if host.add is None else host.add(name, entry)
         answer = {"host": arguments.host, "file": path, "name": name, "entry": entry}

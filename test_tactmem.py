@@ -7558,6 +7558,11 @@ def test_setup_write_merges_into_the_hosts_file_with_a_backup_beside_it(
     assert stat.S_IMODE(claude.stat().st_mode) == 0o640  # the host's own file keeps its mode
     status, out, _ = setup_cli(capsys, monkeypatch, tmp_path, "claude-code", "--write")
     assert out == f"{claude} already has this tactmem server; nothing changed\n"
+    assert tactmem.main(["--json", "setup", "claude-code", "--write"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "host": "claude-code", "file": str(claude), "name": "tactmem",
+        "done": f"{claude} already has this tactmem server; nothing changed",
+    }  # fmt: skip
     # a new file, in a new directory, where the host's own variable points
     monkeypatch.setenv("CODEX_HOME", str(tmp_path / "codex-home"))
     status = tactmem.main(["setup", "codex", "--write", "--child"])
