@@ -1583,9 +1583,7 @@ class _Corpus:
         self.lengths: dict[int, int] = {}
         self.total_length = 0
         self.postings: defaultdict[str, dict[int, int]] = defaultdict(dict)  # every term's
-        self._ids: list[int] = []  # visible ids in order; empty until the first rank
-        self._positions: dict[int, int] = {}
-        self._norms: list[float] = []
+        self._average: float | None = None  # the mean length, None until the first rank
         self._weights: dict[str, tuple[list[int], list[float], float]] = {}  # and the idf
         self._stems: dict[int, frozenset[str]] = {}  # each term's `_stem`, once asked for
         self.digests: dict[int, str] = {}  # only where `update` was given `known`
@@ -1627,6 +1625,7 @@ class _Corpus:
         self.counts[doc_id] = counts
         self.lengths[doc_id] = sum(counts.values())
         self.total_length += self.lengths[doc_id]
+        self._average = None
         for term, count in counts.items():
             self.postings[term][doc_id] = count
 
@@ -1640,7 +1639,7 @@ class _Corpus:
         return True
 
     def _remove(self, doc_id: int) -> None:
-        self._ids = []
+        self._average = None
         self.digests.pop(doc_id, None)
         self.unconfirmed.discard(doc_id)
         self._stems.pop(doc_id, None)
@@ -1659,47 +1658,41 @@ class _Corpus:
         """BM25 (k1 1.2, b 0.75, idf ln(1 + (N - df + .5)/(df + .5))), best first, ties by id.
 
         Terms must be sorted: each document's score is summed in term order, so the floats
-        are bit-identical to the reference's.
+        are bit-identical to the reference's. Only the documents the terms' postings name are
+        looked at, so a scan costs what those postings do, not what the corpus does.
         """
         if limit <= 0 or not self.counts or not terms:
             return []
-        if not self._ids:  # first rank since a change
-            self._ids = sorted(self.counts)
-            self._positions = {doc_id: position for position, doc_id in enumerate(self._ids)}
-            average = self.total_length / len(self._ids)
-            self._norms = [
-                _BM25_K1 * ((1 - _BM25_B) + _BM25_B * (length / average if average else 0.0))
-                for length in map(self.lengths.__getitem__, self._ids)
-            ]
+        if self._average is None:  # first rank since a change
+            self._average = self.total_length / len(self.counts)
             self._weights = {}
-        scores = [0.0] * len(self._ids)
+        scores: dict[int, float] = {}
         for term in terms:
-            positions, weights, _ = self._term(term)
-            for position, weight in zip(positions, weights, strict=True):
-                scores[position] += weight
-        best = heapq.nlargest(limit, range(len(scores)), key=scores.__getitem__)  # stable
-        return [(self._ids[position], scores[position]) for position in best if scores[position]]
+            doc_ids, weights, _ = self._term(term)
+            for doc_id, weight in zip(doc_ids, weights, strict=True):
+                scores[doc_id] = scores.get(doc_id, 0.0) + weight
+        best = heapq.nlargest(limit, scores.items(), key=lambda item: (item[1], -item[0]))
+        return [(doc_id, score) for doc_id, score in best if score]
 
     def _term(self, term: str) -> tuple[list[int], list[float], float]:
-        """A term's positions, BM25 weights and idf: cached, or worked out now."""
+        """A term's documents, BM25 weights and idf: cached, or worked out now."""
         return self._weights.get(term) or self._term_weights(term)
 
     def _term_weights(self, term: str) -> tuple[list[int], list[float], float]:
         if len(self._weights) >= _CACHED_TERMS:  # terms no document has add up
             self._weights.clear()
-        posting = self.postings.get(term, {})
-        n, df = len(self._ids), len(posting)
+        posting, average = self.postings.get(term, {}), self._average
+        n, df = len(self.counts), len(posting)
         idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
         k1_plus_1 = _BM25_K1 + 1
-        positions = list(map(self._positions.__getitem__, posting))
-        weights = [
-            idf * tf * k1_plus_1 / (tf + norm)
-            for tf, norm in zip(
-                posting.values(), map(self._norms.__getitem__, positions), strict=True
+        weights = []
+        for doc_id, tf in posting.items():
+            ratio = self.lengths[doc_id] / average if average else 0.0
+            weights.append(
+                idf * tf * k1_plus_1 / (tf + _BM25_K1 * ((1 - _BM25_B) + _BM25_B * ratio))
             )
-        ]
-        self._weights[term] = (positions, weights, idf)
-        return positions, weights, idf
+        self._weights[term] = (list(posting), weights, idf)
+        return self._weights[term]
 
     def coverage(self, terms: Sequence[str]) -> Callable[[int], float]:
         """How much of the query's evidence a document holds, in [0, 1], after `rank` with
@@ -4948,7 +4941,8 @@ def _next_key_waiting(screen: Any) -> bool:
 # `MemoryTool` by the shell's `_Scenario`, and scored here; paired agent runs are judged here.
 
 
-# The operating point `tactmem eval --sweep` chose on the development scenarios (docs/evaluation.md).
+# The operating point `tactmem eval --sweep` chose on the development scenarios
+# (docs/evaluation.md).
 RECOMMENDED_MIN_COVERAGE: Final = 0.34
 
 
