@@ -414,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rows += found
                     for row in found:  # as it goes: a long run shows where it is
                         print("| " + " | ".join(row) + " |", file=sys.stderr, flush=True)
+                    print(backend, count, "start:", figures[backend, count]["first", 1],
+                          file=sys.stderr, flush=True)  # fmt: skip
                 if count in FULL:
                     anchor = create_database(sockets, f"anchor_{count}")
                     rows += bench_anchor(anchor, corpora, queries, rounds)
