@@ -698,6 +698,8 @@ def full_bm25(terms: Sequence[str], docs: Iterable[tuple[int, str]], limit: int)
     )
 )
 @example(steps=[({1: "rust", 2: "rust", 3: "sqlite"}, ["rust sqlite"], 2)])  # a tie, cut by id
+@example(steps=[({1: "rare x", 2: "x", 3: "x", 4: "x x"}, ["rare x"], 1)])  # x only looked up
+@example(steps=[({1: "aa dd", 2: "bb dd", 3: "dd bb", 4: "cc"}, ["aa bb cc dd"], 1)])  # won on dd
 def test_rank_equals_a_full_recomputation_to_the_bit(
     steps: list[tuple[dict[int, object], list[str], int]],
 ) -> None:
