@@ -1583,8 +1583,11 @@ class _Corpus:
         self.lengths: dict[int, int] = {}
         self.total_length = 0
         self.postings: defaultdict[str, dict[int, int]] = defaultdict(dict)  # every term's
-        self._average: float | None = None  # the mean length, None until the first rank
-        self._weights: dict[str, tuple[dict[int, float], float, float]] = {}  # see `_term`
+        self._ids: list[int] = []  # visible ids in order; empty until the first rank
+        self._positions: dict[int, int] = {}
+        self._norms: list[float] = []
+        self._scores: list[float] = []  # one place per id, 0.0 between ranks
+        self._weights: dict[str, tuple[list[int], list[float], float]] = {}  # and the idf
         self._stems: dict[int, frozenset[str]] = {}  # each term's `_stem`, once asked for
         self.digests: dict[int, str] = {}  # only where `update` was given `known`
         self.unconfirmed: set[int] = set()
@@ -1635,7 +1638,7 @@ class _Corpus:
         self.counts[doc_id] = counts
         self.lengths[doc_id] = sum(counts.values())
         self.total_length += self.lengths[doc_id]
-        self._average = None
+        self._ids = []
         for term, count in counts.items():
             self.postings[term][doc_id] = count
 
@@ -1649,7 +1652,7 @@ class _Corpus:
         return True
 
     def _remove(self, doc_id: int) -> None:
-        self._average = None
+        self._ids = []
         self.digests.pop(doc_id, None)
         self.unconfirmed.discard(doc_id)
         self._stems.pop(doc_id, None)
@@ -1668,49 +1671,60 @@ class _Corpus:
         """BM25 (k1 1.2, b 0.75, idf ln(1 + (N - df + .5)/(df + .5))), best first, ties by id.
 
         Terms must be sorted: each document's score is summed in term order, so the floats
-        are bit-identical to the reference's. Only documents the terms' postings name are
-        looked at, and the heaviest terms first (a term's weight is at most `top`): once
-        `limit` documents have more than the terms left could give any document, a document
-        found in those alone cannot reach the top, and they are only looked up for the
-        documents already found. So a common term costs lookups, not its whole posting.
+        are bit-identical to the reference's. A rank looks only at the places the terms'
+        postings name, so it costs what those postings do, not what the corpus does (the
+        places and their length norms are laid out once after a change).
         """
         if limit <= 0 or not self.counts or not terms:
             return []
-        if self._average is None:  # first rank since a change
-            self._average = self.total_length / len(self.counts)
+        if not self._ids:  # first rank since a change
+            self._ids = sorted(self.counts)
+            self._positions = {doc_id: position for position, doc_id in enumerate(self._ids)}
+            average = self.total_length / len(self._ids)
+            self._norms = [
+                _BM25_K1 * ((1 - _BM25_B) + _BM25_B * (length / average if average else 0.0))
+                for length in map(self.lengths.__getitem__, self._ids)
+            ]
             self._weights = {}
-        heaviest = sorted(terms, key=lambda term: -self._term(term)[2])
-        left = [sum(self._term(term)[2] for term in heaviest[i:]) for i in range(len(terms))]
-        found: dict[int, float] = {}  # partial scores, summed heaviest term first
-        for term, most in zip(heaviest, left, strict=True):
-            if len(found) >= limit and _kth(found, limit) > most * _SLACK:
-                break
-            for doc_id, weight in self._term(term)[0].items():
-                found[doc_id] = found.get(doc_id, 0.0) + weight
-        weights = [self._term(term)[0] for term in terms]
-        scores = {doc_id: _summed(doc_id, weights) for doc_id in found}
-        best = heapq.nlargest(limit, scores.items(), key=lambda item: (item[1], -item[0]))
-        return [(doc_id, score) for doc_id, score in best if score]
+            self._scores = [0.0] * len(self._ids)
+        scores, found = self._scores, [self._term(term) for term in terms]
+        # The places the postings name, in ids' order; or every place, when there are no more
+        # places than postings (then looking at all of them costs what the postings do).
+        places: Sequence[int] = range(len(scores))
+        if sum(len(positions) for positions, _, _ in found) < len(scores):
+            places = sorted(set().union(*(positions for positions, _, _ in found)))
+        try:
+            for positions, weights, _ in found:
+                for position, weight in zip(positions, weights, strict=True):
+                    scores[position] += weight
+            best = heapq.nlargest(limit, places, key=scores.__getitem__)  # stable: ties by id
+            return [
+                (self._ids[position], scores[position]) for position in best if scores[position]
+            ]
+        finally:  # every place is 0.0 again for the next rank
+            for position in places:
+                scores[position] = 0.0
 
-    def _term(self, term: str) -> tuple[dict[int, float], float, float]:
-        """A term's BM25 weight by document, its idf and its top weight: cached, or worked out."""
+    def _term(self, term: str) -> tuple[list[int], list[float], float]:
+        """A term's positions, BM25 weights and idf: cached, or worked out now."""
         return self._weights.get(term) or self._term_weights(term)
 
-    def _term_weights(self, term: str) -> tuple[dict[int, float], float, float]:
+    def _term_weights(self, term: str) -> tuple[list[int], list[float], float]:
         if len(self._weights) >= _CACHED_TERMS:  # terms no document has add up
             self._weights.clear()
-        posting, average = self.postings.get(term, {}), self._average
-        n, df = len(self.counts), len(posting)
+        posting = self.postings.get(term, {})
+        n, df = len(self._ids), len(posting)
         idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
         k1_plus_1 = _BM25_K1 + 1
-        weights = {}
-        for doc_id, tf in posting.items():
-            ratio = self.lengths[doc_id] / average if average else 0.0
-            weights[doc_id] = (
-                idf * tf * k1_plus_1 / (tf + _BM25_K1 * ((1 - _BM25_B) + _BM25_B * ratio))
+        positions = list(map(self._positions.__getitem__, posting))
+        weights = [
+            idf * tf * k1_plus_1 / (tf + norm)
+            for tf, norm in zip(
+                posting.values(), map(self._norms.__getitem__, positions), strict=True
             )
-        self._weights[term] = (weights, idf, max(weights.values(), default=0.0))
-        return self._weights[term]
+        ]
+        self._weights[term] = (positions, weights, idf)
+        return positions, weights, idf
 
     def coverage(self, terms: Sequence[str]) -> Callable[[int], float]:
         """How much of the query's evidence a document holds, in [0, 1], after `rank` with
@@ -1718,7 +1732,7 @@ class _Corpus:
         every one is) weighs the square root of its BM25 idf, and the share of that weight
         whose terms the document holds, as they are or by `_stem`, is its coverage."""
         subject = [term for term in terms if term not in _FUNCTION_WORDS] or terms
-        weights = [(term, _stem(term), math.sqrt(self._term(term)[1])) for term in subject]
+        weights = [(term, _stem(term), math.sqrt(self._term(term)[2])) for term in subject]
         total = sum(weight for _, _, weight in weights)
 
         def of(doc_id: int) -> float:
@@ -1728,25 +1742,6 @@ class _Corpus:
             return sum(w for term, stem, w in weights if term in counts or stem in stems) / total
 
         return of
-
-
-# Bounds on scores summed in another order are compared with this much room (sums of a few
-# positive floats differ by far less), so rounding never drops a document that ties the top.
-_SLACK: Final = 1 + 1e-9
-
-
-def _kth(scores: Mapping[int, float], k: int) -> float:
-    return heapq.nlargest(k, scores.values())[-1]
-
-
-def _summed(doc_id: int, weights: Sequence[Mapping[int, float]]) -> float:
-    """A document's score: its weights added from 0.0 in the terms' order."""
-    score = 0.0
-    for by_doc in weights:
-        weight = by_doc.get(doc_id)
-        if weight is not None:
-            score += weight
-    return score
 
 
 def _derive(
