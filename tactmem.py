@@ -1597,9 +1597,19 @@ class _Corpus:
         """Make the statistics those of exactly these `(id, version, content)` rows. With
         `known`, every text gets a digest, and what was worked out anew is returned by digest."""
         fresh = {row[0]: row for row in rows}
-        for doc_id in self.rows.keys() - fresh.keys():
+        return self.patch(list(fresh.values()), self.rows.keys() - fresh.keys(), known)
+
+    def patch(
+        self,
+        rows: Sequence[tuple[int, int, object]],
+        gone: Iterable[int] = (),
+        known: Mapping[str, _Derived] | None = None,
+    ) -> dict[str, _Derived]:
+        """`update` for part of the rows: these rows (one per id) as they now are, the `gone`
+        ids removed, every other row left as it was, so a change costs what it changes."""
+        for doc_id in gone:
             self._remove(doc_id)
-        changed = [row for doc_id, row in fresh.items() if self.rows.get(doc_id) != row]
+        changed = [row for row in rows if self.rows.get(row[0]) != row]
         texts = [text if isinstance(text, str) else "" for *_, text in changed]
         digests = [] if known is None else list(map(_digest, texts))
         derived, cached = _derive(texts, digests, known or {})

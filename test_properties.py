@@ -663,6 +663,59 @@ def test_a_corpus_kept_up_to_date_ranks_like_a_fresh_one(
             assert corpus.contents == visible
 
 
+def full_bm25(terms: Sequence[str], docs: Iterable[tuple[int, str]], limit: int) -> list[Any]:
+    """BM25 recomputed over every document, the straightforward way: each visible text scored
+    (0.0 where it shares no term), each score summed from 0.0 in the given term order, all of
+    them sorted by score then id, cut to `limit`, and the zero scores dropped."""
+    counts = {doc_id: Counter(tokenize(text)) for doc_id, text in docs if find_secret(text) is None}
+    if limit <= 0 or not counts or not terms:
+        return []
+    lengths = {doc_id: sum(count.values()) for doc_id, count in counts.items()}
+    average = sum(lengths.values()) / len(counts)
+    scores = {}
+    for doc_id, count in counts.items():
+        norm = 1.2 * ((1 - 0.75) + 0.75 * (lengths[doc_id] / average if average else 0.0))
+        score = 0.0
+        for term in terms:
+            df = sum(term in other for other in counts.values())
+            idf = math.log(1 + (len(counts) - df + 0.5) / (df + 0.5))
+            if count[term]:
+                score += idf * count[term] * (1.2 + 1) / (count[term] + norm)
+        scores[doc_id] = score
+    ordered = sorted(scores, key=lambda doc_id: (-scores[doc_id], doc_id))[:limit]
+    return [(doc_id, scores[doc_id]) for doc_id in ordered if scores[doc_id]]
+
+
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.dictionaries(st.integers(min_value=1, max_value=9), _rank_text | _ODD_ROW),
+            st.lists(_rank_text, min_size=1, max_size=3),
+            st.integers(min_value=0, max_value=12),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+@example(steps=[({1: "rust", 2: "rust", 3: "sqlite"}, ["rust sqlite"], 2)])  # a tie, cut by id
+@example(steps=[({1: "rare x", 2: "x", 3: "x", 4: "x x"}, ["rare x"], 1)])  # x only looked up
+@example(steps=[({1: "aa dd", 2: "bb dd", 3: "dd bb", 4: "cc"}, ["aa bb cc dd"], 1)])  # won on dd
+def test_rank_equals_a_full_recomputation_to_the_bit(
+    steps: list[tuple[dict[int, object], list[str], int]],
+) -> None:
+    """A corpus's rank, which looks only at the postings of the query's terms, answers as
+    `full_bm25` does over every visible row: the same documents, the same floats to the bit,
+    the same order and tie-breaks by id, and the same cut at any limit, after every update."""
+    corpus = tactmem._Corpus()
+    for docs, queries, limit in steps:
+        corpus.update([(doc_id, 1, content) for doc_id, content in docs.items()])
+        visible = [(doc_id, text) for doc_id, text in docs.items() if isinstance(text, str)]
+        for query in queries:
+            terms = tactmem._query_terms(query)
+            for room in (limit, len(docs)):
+                assert corpus.rank(terms, room) == full_bm25(terms, visible, room)
+
+
 # ============================================================ store rules
 
 

@@ -2,17 +2,25 @@
 
 Run by hand, never as a timed test (SPEC §8):
 
-    python bench/server_bench.py            # 1 and 50 namespaces of 512 records, both backends
+    python bench/server_bench.py            # 1-200 namespaces of 512 records, both backends
     python bench/server_bench.py --quick    # fewer requests: too few samples to settle a figure
 
 For each backend (an SQLite file; a PostgreSQL cluster this script starts with initdb and pg_ctl)
-and for 1 and 50 namespaces filled with `bench.py`'s corpus (512 records, about 255 KiB each, one
-seed per namespace), one server process on 127.0.0.1 answers scans (`bench.py`'s queries) and
-puts (compare-and-swap replaces of each client's own records, so the bounds never refuse one) at
-1, 8 and 32 concurrent clients, each client on its own keep-alive HTTP connection. It prints p50
-and p95 latency and throughput. The anchor is PostgreSQL's own full-text search over the same
-records: `ts_rank` top 5 of a GIN-indexed `tsvector`, the query's terms joined by OR, through
-psycopg directly (no HTTP, no authentication, no telemetry write).
+and for 1, 10, 50 and 200 namespaces filled with `bench.py`'s corpus (512 records, about 255 KiB
+each, one seed per namespace), one server process on 127.0.0.1 answers scans (`bench.py`'s
+queries) and puts (compare-and-swap replaces of each client's own records, so the bounds never
+refuse one), each client on its own keep-alive HTTP connection: at 1 and 50 namespaces with 1, 8
+and 32 concurrent clients, at 10 and 200 (the sweep) scans with 8 (200 namespaces always with
+`--quick`'s request count). It prints p50 and p95 latency and throughput. The anchor is
+PostgreSQL's own full-text search over the same records: `ts_rank` top 5 of a GIN-indexed
+`tsvector`, the query's terms joined by OR, through psycopg directly (no HTTP, no
+authentication, no telemetry write), at 1 and 50 namespaces.
+
+Then the server is stopped and started again on the same database: the start-up table shows the
+time from the process's start to its "listening" line, its first scan (one client, sent at
+once) and the p95 of its first ten. Last, the ratios of one run: warm scan p50 at 50 namespaces over
+1 (8 clients), the first scan after the restart over a warm one-client scan, and a one-client
+scan over HTTP at 1 namespace over an in-process `Store.scan` of the same 512 records.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import contextlib
 import glob
 import http.client
 import json
+import math
 import os
 import pwd
 import random
@@ -44,7 +53,9 @@ import bench
 import tactmem
 
 CLIENTS: Final = (1, 8, 32)
-NAMESPACES: Final = (1, 50)
+NAMESPACES: Final = (1, 10, 50, 200)
+FULL: Final = (1, 50)  # namespace counts measured at every client count, with puts and the anchor
+SWEEP_CLIENTS: Final = 8
 TOKEN: Final = "bench-token-{}-0000000000000000"
 
 
@@ -119,13 +130,23 @@ class Connection:
         return json.loads(data)
 
 
-def start_server(arguments: list[str], credentials: str) -> tuple[subprocess.Popen[str], str]:
+def start_server(
+    arguments: list[str], credentials: str
+) -> tuple[subprocess.Popen[str], str, float]:
+    """A server process, its URL, and the seconds from its start to its "listening" line."""
     command = [sys.executable, "-m", "tactmem_server", *arguments, "--credentials", credentials]
+    began = time.perf_counter()
     process = subprocess.Popen([*command, "--port", "0"], stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None
     line = process.stderr.readline()
+    listening = time.perf_counter() - began
     threading.Thread(target=process.stderr.read, daemon=True).start()  # keep the pipe drained
-    return process, json.loads(line)["url"]
+    return process, json.loads(line)["url"], listening
+
+
+def stop_server(process: subprocess.Popen[str]) -> None:
+    process.terminate()
+    process.wait(60)
 
 
 def snapshot(contents: Sequence[str]) -> list[dict[str, Any]]:
@@ -142,68 +163,109 @@ def snapshot(contents: Sequence[str]) -> list[dict[str, Any]]:
     ]
 
 
-def measure(clients: int, requests: int, work: Callable[[int, int], None]) -> dict[str, float]:
+def measure(clients: int, requests: int, work: Callable[[int, int], object]) -> dict[str, float]:
     """Run `work(client, n)` `requests` times on each of `clients` threads at once."""
     latencies: list[float] = []
     lock = threading.Lock()
     barrier = threading.Barrier(clients)
 
+    failures = 0
+
     def client(index: int) -> None:
+        nonlocal failures
         barrier.wait()
-        mine = []
+        mine, failed = [], 0
         for n in range(requests):
             began = time.perf_counter()
-            work(index, n)
+            try:
+                work(index, n)
+            except RuntimeError:  # an answer other than 200 (a 503 past the store timeout)
+                failed += 1
+                continue
             mine.append(time.perf_counter() - began)
         with lock:
             latencies.extend(mine)
+            failures += failed
 
     began = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
     wall = time.perf_counter() - began
+    if len(latencies) < 2:
+        return {"p50": math.nan, "p95": math.nan, "rps": 0.0, "failed": failures}
     cuts = statistics.quantiles(latencies, n=20)
     return {
         "p50": statistics.median(latencies) * 1000,
         "p95": cuts[18] * 1000,
         "rps": len(latencies) / wall,
+        "failed": failures,
     }
+
+
+Row = tuple[str, ...]
+Figures = dict[str, float]
 
 
 def bench_server(
     backend: str, arguments: list[str], corpora: list[list[str]], queries: list[str], rounds: int
-) -> list[tuple[str, ...]]:
+) -> tuple[list[Row], dict[tuple[str, int], Figures]]:
+    """The rows of one backend at one namespace count, and the figures the ratios need, by
+    (what, clients): ("scan", n) warm scans, ("first", 1) the first scan after a restart."""
     namespaces = [f"ns{n}" for n in range(len(corpora))]
+    full = len(corpora) in FULL
+    figures: dict[tuple[str, int], Figures] = {}
     with tempfile.TemporaryDirectory() as directory:
         credentials = Path(directory) / "credentials.toml"
         entry = '[[credentials]]\nnamespace = "{0}"\nrole = "writer"\ntoken = "{1}"\n'
         credentials.write_text("".join(entry.format(ns, TOKEN.format(ns)) for ns in namespaces))
         credentials.chmod(0o600)
-        process, url = start_server(arguments, str(credentials))
+        process, url, _ = start_server(arguments, str(credentials))
         rows = []
         try:
             for ns, contents in zip(namespaces, corpora, strict=True):
                 Connection(url, ns).post("/v1/memories/sync", {"memories": snapshot(contents)})
-            for clients in CLIENTS:
-                rows.append(_scan_row(backend, url, namespaces, queries, clients, rounds))
-                rows.append(_put_row(backend, url, namespaces, corpora, clients, rounds))
+            for clients in CLIENTS if full else (SWEEP_CLIENTS,):
+                figures["scan", clients] = _scan_figures(url, namespaces, queries, clients, rounds)
+                rows.append(
+                    _row(backend, len(namespaces), "scan", clients, figures["scan", clients])
+                )
+                if full:
+                    rows.append(_put_row(backend, url, namespaces, corpora, clients, rounds))
         finally:
-            process.terminate()
-            process.wait(60)
-    return rows
+            stop_server(process)
+        process, url, listening = start_server(arguments, str(credentials))
+        try:
+            first = _first_scans(url, namespaces[0], queries)
+        finally:
+            stop_server(process)
+    figures["first", 1] = {**first, "listening": listening * 1000}
+    return rows, figures
 
 
-def _scan_row(
-    backend: str, url: str, namespaces: list[str], queries: list[str], clients: int, rounds: int
-) -> tuple[str, ...]:
+def _first_scans(url: str, namespace: str, queries: list[str]) -> Figures:
+    """A freshly started server's first ten scans from one client: the first, and the p95."""
+    connection = Connection(url, namespace)
+    latencies = []
+    for query in queries[:10]:
+        began = time.perf_counter()
+        try:
+            connection.post("/v1/memories/scan", {"query": query, "limit": 5})
+        except RuntimeError:  # a 503: counted at what it took
+            connection = Connection(url, namespace)
+        latencies.append((time.perf_counter() - began) * 1000)
+    return {"first": latencies[0], "p95": statistics.quantiles(latencies, n=20)[18]}
+
+
+def _scan_figures(
+    url: str, namespaces: list[str], queries: list[str], clients: int, rounds: int
+) -> Figures:
     connections = [Connection(url, namespaces[i % len(namespaces)]) for i in range(clients)]
 
     def scan(client: int, n: int) -> None:
         query = queries[(client * 7 + n) % len(queries)]
         connections[client].post("/v1/memories/scan", {"query": query, "limit": 5})
 
-    figures = measure(clients, rounds, scan)
-    return _row(backend, len(namespaces), "scan", clients, figures)
+    return measure(clients, rounds, scan)
 
 
 def _put_row(
@@ -246,7 +308,7 @@ def _row(
         str(clients),
         f"{f['p50']:.2f}",
         f"{f['p95']:.2f}",
-        f"{f['rps']:.0f}",
+        f"{f['rps']:.0f}" + (f" ({f['failed']:.0f} failed)" if f["failed"] else ""),
     )
 
 
@@ -291,6 +353,42 @@ def bench_anchor(
     return rows
 
 
+def bench_store(contents: list[str], queries: list[str], rounds: int) -> Figures:
+    """In-process `Store.scan` of the same records, one caller: the floor of a one-client scan."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "memory.sqlite3"
+        bench.fill(path, contents)
+        with tactmem.Store(path) as store:
+            store.scan(queries[0])  # the first scan tokenizes the corpus: a warm figure
+            return measure(1, rounds, lambda _, n: store.scan(queries[n % len(queries)]))
+
+
+def ratios(figures: dict[tuple[str, int], dict[tuple[str, int], Figures]], store: Figures) -> None:
+    """The issue's ratios, from this run's figures."""
+    print()
+    for backend in ("sqlite", "postgres"):
+        warm = {
+            count: figures[backend, count]["scan", SWEEP_CLIENTS]["p50"] for count in NAMESPACES
+        }
+        for count in NAMESPACES[1:]:
+            print(
+                f"{backend}: warm scan p50, {SWEEP_CLIENTS} clients, {count} namespaces / 1:"
+                f" {warm[count] / warm[1]:.2f} (target at 50: <= 2)"
+            )
+        for count in FULL:
+            first = figures[backend, count]["first", 1]["first"]
+            one = figures[backend, count]["scan", 1]["p50"]
+            print(
+                f"{backend}: first scan after a restart / warm one-client scan p50, {count}"
+                f" namespaces: {first / one:.2f} (target <= 10)"
+            )
+        http = figures[backend, 1]["scan", 1]["p50"]
+        print(
+            f"{backend}: one-client HTTP scan p50 / in-process Store.scan p50 ({store['p50']:.2f}"
+            f" ms), 1 namespace: {http / store['p50']:.2f} (target <= 3)"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests per client")
@@ -298,19 +396,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds = 8 if arguments.quick else 40
     queries = bench.build_queries(random.Random(bench.SEED))
     rows: list[tuple[str, ...]] = []
+    figures: dict[tuple[str, int], dict[tuple[str, int], Figures]] = {}
     base = tempfile.mkdtemp(prefix="tactmem-server-bench-")
     try:
         os.chmod(base, 0o755)
+        store = bench_store(bench.build_corpus(random.Random(bench.SEED)), queries, rounds)
         with cluster(base) as sockets:
             for count in NAMESPACES:
                 corpora = [bench.build_corpus(random.Random(bench.SEED + n)) for n in range(count)]
+                some = 8 if count == NAMESPACES[-1] else rounds  # the largest: --quick's count
                 sqlite = ["--sqlite", os.path.join(base, f"team-{count}.sqlite3")]
-                rows += bench_server("sqlite", sqlite, corpora, queries, rounds)
                 postgres = ["--postgres", create_database(sockets, f"team_{count}")]
-                rows += bench_server("postgres", postgres, corpora, queries, rounds)
-                rows += bench_anchor(
-                    create_database(sockets, f"anchor_{count}"), corpora, queries, rounds
-                )
+                for backend, where in (("sqlite", sqlite), ("postgres", postgres)):
+                    found, figures[backend, count] = bench_server(
+                        backend, where, corpora, queries, some
+                    )
+                    rows += found
+                    for row in found:  # as it goes: a long run shows where it is
+                        print("| " + " | ".join(row) + " |", file=sys.stderr, flush=True)
+                    print(backend, count, "start:", figures[backend, count]["first", 1],
+                          file=sys.stderr, flush=True)  # fmt: skip
+                if count in FULL:
+                    anchor = create_database(sockets, f"anchor_{count}")
+                    rows += bench_anchor(anchor, corpora, queries, rounds)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     header = ("backend", "namespaces", "operation", "clients", "p50 ms", "p95 ms", "req/s")
@@ -318,6 +426,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("|" + "---|" * len(header))
     for row in sorted(rows, key=lambda r: (int(r[1]), r[2], int(r[3]), r[0])):
         print("| " + " | ".join(row) + " |")
+    print("\n| backend | namespaces | start to listening ms | first scan ms | p95 of first 10 |")
+    print("|---|---|---|---|---|")
+    for (backend, count), measured in sorted(figures.items(), key=lambda item: item[0][::-1]):
+        start = measured["first", 1]
+        print(
+            f"| {backend} | {count} | {start['listening']:.0f} | {start['first']:.2f}"
+            f" | {start['p95']:.2f} |"
+        )
+    ratios(figures, store)
     return 0
 
 

@@ -25,6 +25,7 @@ import contextlib
 import errno
 import functools
 import hashlib
+import importlib
 import ipaddress
 import itertools
 import json
@@ -1067,6 +1068,7 @@ class TeamStore:
         self._corpus = tactmem.core.Corpus()
         self._corpus_lock = threading.Lock()
         self._seen: dict[str, int] = {}  # namespace -> change counter the cache holds
+        self._counters: list[tuple[Any, ...]] = []  # the counters' rows as last read
         self._rows: dict[str, list[tuple[int, int, object]]] = {}
         self._verdicts: dict[str, dict[int, tuple[Record, bool]]] = {}  # `_served`, by row
 
@@ -1115,9 +1117,9 @@ class TeamStore:
             tx.run(
                 "INSERT INTO memory_namespaces (namespace) VALUES (?) ON CONFLICT DO NOTHING", [own]
             )
-        due = (
+        due = (  # `memories_probation` holds only rows on probation: a warm scan reads none
             "SELECT namespace, id, use_count, probation_until_ms FROM memories"
-            " WHERE probation_until_ms <= ?"
+            " WHERE probation_until_ms <= ? AND use_count = 0"
         )
         found = {
             ns
@@ -1178,27 +1180,45 @@ class TeamStore:
         result: list[dict[str, Any]] = self._run(deadline, operation, self._forget)
         return result
 
+    def warm(self, deadline: float) -> None:
+        """Build the combined corpus now (at start, before the port answers), so that the
+        first scan does not tokenize every namespace."""
+
+        def operation(tx: _Tx) -> None:
+            with self._corpus_lock:
+                self._refresh(tx)
+
+        self._run(deadline, operation, self._forget)
+
     def _forget(self) -> None:
         """After a failed scan: its prune may be in the cache, but was never committed."""
         with self._corpus_lock:
             self._seen.clear()
+            self._counters = []
 
     def _refresh(self, tx: _Tx) -> None:
-        """Bring the combined corpus up to date, fetching only namespaces whose counter moved."""
+        """Bring the combined corpus up to date: a warm scan reads the change counters and
+        compares them whole; only namespaces whose counter moved are fetched, and only their
+        rows are changed in the corpus."""
+        found = tx.rows("SELECT namespace, changes FROM memory_namespaces ORDER BY namespace")
+        if found == self._counters:
+            return
         counters = {  # a namespace no credential can name holds a foreign writer's rows only
-            ns: changes
-            for ns, changes in tx.rows("SELECT namespace, changes FROM memory_namespaces")
-            if _valid_namespace(ns)
+            ns: changes for ns, changes in found if _valid_namespace(ns)
         }
-        stale = [ns for ns, changes in counters.items() if self._seen.get(ns) != changes]
-        for ns in stale:
+        fresh: list[tuple[int, int, object]] = []
+        gone: list[int] = []
+        for ns in [ns for ns, changes in counters.items() if self._seen.get(ns) != changes]:
             rows = tx.rows(f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?", [ns])
+            before = self._rows.get(ns, [])
             self._rows[ns] = self._corpus_rows(ns, [r for _, r in map(_namespaced, rows)])
+            fresh += self._rows[ns]
+            gone += {row[0] for row in before} - {row[0] for row in self._rows[ns]}
         for ns in self._rows.keys() - counters.keys():
-            del self._rows[ns], self._verdicts[ns]
-        if stale or len(self._seen) != len(counters):
-            self._corpus.update(list(itertools.chain.from_iterable(self._rows.values())))
-        self._seen = counters
+            gone += [row[0] for row in self._rows.pop(ns)]
+            del self._verdicts[ns]
+        self._corpus.patch(fresh, gone)
+        self._seen, self._counters = counters, found
 
     def _corpus_rows(self, ns: str, records: Sequence[Record]) -> list[tuple[int, int, object]]:
         """A namespace's rows as the corpus takes them: the text only of a row `_served` admits
@@ -1874,8 +1894,9 @@ class _McpEndpoint:
         self.ready: anyio.Event | None = None
 
     async def run(self) -> None:
-        """Run the SDK's session manager until cancelled. The SDK takes seconds to import, so a
-        worker thread loads it while the `/v1` routes already answer; `/mcp` requests wait."""
+        """Run the SDK's session manager until cancelled. The SDK takes seconds to import:
+        `main` imports it before the port answers (`_load_mcp_sdk`); for an app built alone, a
+        worker thread loads it while the `/v1` routes already answer, and `/mcp` requests wait."""
         self.ready = anyio.Event()
 
         def manager() -> Any:
@@ -2303,6 +2324,19 @@ _EXPOSED: Final = (
 )
 
 
+_MCP_MODULES: Final = (
+    "mcp.types", "mcp.server.lowlevel", "mcp.server.streamable_http_manager",
+    "mcp.server.auth.middleware.bearer_auth", "mcp.server.auth.provider", "mcp_types.version",
+)  # fmt: skip
+
+
+def _load_mcp_sdk() -> None:
+    """Import what `/mcp` runs on before the port answers: the SDK takes seconds to import,
+    and an import in a worker thread would hold the interpreter under the first requests."""
+    for module in _MCP_MODULES:
+        importlib.import_module(module)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
@@ -2320,13 +2354,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             else PostgresEngine(arguments.postgres, pool_size=arguments.pool_size)
         )
         listener = _listen(arguments.host, arguments.port)
+        store = TeamStore(engine)
+        with contextlib.suppress(tactmem.StoreBusy):  # else the first scan builds it
+            store.warm(time.monotonic() + arguments.store_timeout)
+        _load_mcp_sdk()
     except (CredentialsError, TactmemError) as error:
         print(f"tactmem-server: {error}", file=sys.stderr)
         return 2
     except OSError as error:  # the address is not echoed: it may hold any byte, a newline too
         print(f"tactmem-server: cannot listen on --host, --port: {error.strerror}", file=sys.stderr)
         return 2
-    app = create_app(TeamStore(engine), principals, timeout_s=arguments.store_timeout)
+    app = create_app(store, principals, timeout_s=arguments.store_timeout)
     spare = _FILES_KEPT + (0 if arguments.sqlite else arguments.pool_size)
     backlog, connections = _connection_bounds(spare)
     config = uvicorn.Config(

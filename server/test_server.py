@@ -17,6 +17,7 @@ import json
 import os
 import pathlib
 import pwd
+import random
 import re
 import resource
 import selectors
@@ -1898,6 +1899,121 @@ def test_token_statistics_are_refreshed_only_for_changed_namespaces(
     store.scan(terms, 5, now, far)
     assert fetched() == ["bob"]
     store.close()
+
+
+def database_rows(backend: list[str]) -> dict[tuple[str, int], tactmem.Record]:
+    """Every row of the server's database, read from outside, by (namespace, id)."""
+    kind, target = backend
+    sql = f"SELECT {tactmem_server._COLUMNS} FROM memories"
+    if kind == "--sqlite":
+        with contextlib.closing(sqlite3.connect(target)) as connection:
+            rows = connection.execute(sql).fetchall()
+    else:
+        import psycopg
+
+        with psycopg.connect(target) as postgres:
+            rows = postgres.execute(sql).fetchall()
+    return {(row[0], row[1]): tactmem.Record.from_row(row[1:]) for row in rows}
+
+
+def recomputed_scan(
+    rows: dict[tuple[str, int], tactmem.Record], query: str, limit: int, now_ms: int
+) -> list[dict[str, Any]]:
+    """A scan's answer worked out afresh from every row: those a prune keeps and a read may
+    return (`_served`), ranked by the core's pure `rank` over one new corpus."""
+    served = {
+        tactmem_server._doc_id(ns, doc_id): (ns, record)
+        for (ns, doc_id), record in rows.items()
+        if not tactmem.core.expired(record.use_count, record.probation_until_ms, now_ms)
+        and tactmem_server._served(ns, record)
+    }
+    docs = [(doc_id, record.content) for doc_id, (_, record) in served.items()]
+    return [
+        {
+            "key": tactmem_server.wire_key(served[doc_id][0], served[doc_id][1].key),
+            "preview": tactmem.preview(served[doc_id][1].content),
+            "score": score,
+        }
+        for doc_id, score in tactmem.rank(query, docs, limit=limit)
+    ]
+
+
+_WORDS = ("deploy", "release", "main", "branch", "cache", "note", "build", "Build", "数据库")
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_incremental_index_answers_as_a_full_recomputation(
+    seed: int, backend: list[str], start: Callable[..., Server]
+) -> None:
+    """Two server processes on one database, each with its own index kept up to date one
+    changed namespace at a time, under a random sequence of puts, replaces, deletes, reads
+    and rows a foreign writer adds (hidden ones: secret-shaped text, a namespace no
+    credential names, impossible times; expired probation, pruned by the next scan): every
+    scan answers exactly what a fresh ranking of the database's rows gives (keys, previews,
+    scores to the bit, ties by namespace then id), and its telemetry lands on exactly the
+    cards it returned."""
+    rng = random.Random(seed)
+    clients = [start().client for _ in range(2)]
+    foreign = itertools.count(10_000, 1_000)  # a put takes the id after the highest
+    insert = (
+        "INSERT INTO memories (namespace, id, version, content, identity, created_at_ms,"
+        " updated_at_ms, use_count, probation_until_ms) VALUES (?, ?, 1, ?, ?, ?, 1, 0, ?)"
+    )
+
+    def text() -> str:
+        return " ".join(rng.choices(_WORDS, k=rng.randint(1, 6))) + f" {rng.randrange(10**6)}"
+
+    for step in range(60):
+        client, ns = rng.choice(clients), rng.choice(["alice", "bob"])
+        mine = [key for key in database_rows(backend) if key[0] == ns]
+        action = rng.choice(["put", "put", "replace", "delete", "read", "foreign", "scan"])
+        if action == "put" or (action in ("replace", "delete", "read") and not mine):
+            client.call("/v1/memories/put", {"content": text()}, namespace=ns)
+        elif action in ("replace", "delete", "read"):
+            record = database_rows(backend)[rng.choice(mine)]
+            wire = tactmem_server.wire_key(ns, record.key)
+            requests: dict[str, tuple[str, object]] = {
+                "replace": ("/v1/memories/put", {"content": text(), "replacement": wire}),
+                "delete": ("/v1/memories/delete", {"key": wire}),
+                "read": ("/v1/memories/read", {"keys": [wire]}),
+            }
+            client.call(*requests[action], namespace=ns)
+        elif action == "foreign":
+            where, content, created, until = rng.choice([
+                ("carol", text(), 1, None),  # no credential names it: still team memory
+                ("bob", "password = hunter2hunter2 " + text(), 1, None),  # secret-shaped
+                ("\u00e9", text(), 1, None),  # a namespace no credential can name
+                ("alice", text(), 2, None),  # created after updated
+                ("alice", text(), 1, 1),  # probation over, never read: pruned
+                ("bob", text(), 1, 2**62),  # on probation
+            ])  # fmt: skip
+            outside(
+                backend,
+                ("INSERT INTO memory_namespaces (namespace) VALUES (?) ON CONFLICT DO NOTHING",
+                 [where]),
+                (insert, [where, next(foreign), content, f"foreign {step}", created, until]),
+                ("UPDATE memory_namespaces SET changes = changes + 1 WHERE namespace = ?",
+                 [where]),
+            )  # fmt: skip
+        query = " ".join(rng.choices(_WORDS, k=rng.randint(1, 3)))
+        limit = rng.randint(1, 5)
+        before, now = database_rows(backend), tactmem.core.now_ms()
+        cards = client.ok("/v1/memories/scan", {"query": query, "limit": limit})["candidates"]
+        assert cards == recomputed_scan(before, query, limit, now), (step, action)
+        after = database_rows(backend)
+        scanned = {(c["key"]["namespace"], c["key"]["id"]) for c in cards}
+        assert after.keys() == {
+            key
+            for key, r in before.items()
+            if not tactmem.core.expired(r.use_count, r.probation_until_ms, now)
+        }
+        for key, record in after.items():
+            if key in scanned:
+                assert record.scan_count == before[key].scan_count + 1
+                assert record.last_scanned_at_ms is not None
+                assert record.last_scanned_at_ms >= now
+            else:
+                assert record == before[key]
 
 
 @pytest.mark.slow
