@@ -7637,8 +7637,8 @@ def _setup_command(arguments: argparse.Namespace) -> int:
     path = _host_config_path(host, os.environ, sys.platform)
     if arguments.write:
         done = _write_host_config(host, path, name, entry)
-        print(_json({"host": arguments.host, "file": path, "name": name, "done": done})
-              if arguments.json else done)  # fmt: skip
+        answer = {"host": arguments.host, "file": path, "name": name, "done": done}
+        print(_json(answer) if arguments.json else done)
     elif arguments.json:
         add = None if host.add is None else host.add(name, entry)
         answer = {"host": arguments.host, "file": path, "name": name, "entry": entry}
