@@ -9805,7 +9805,7 @@ SHELL_EXPECTED: dict[str, dict[str, list[Any]]] = {
     },
     "docs/development.md": {
         "pip": [["install", ".[test]", "./server"]],
-        "python -m pytest": [[[], None], [["-m", "not slow"], "quick"]],
+        "python -m pytest": [[[], None], [["-m", "not slow", "-n", "2"], "quick"]],
     },
     "docs/evaluation.md": {"exit": [[["eval", "--paired", "runs.jsonl"], 1]]},
     "server/README.md": {
