@@ -7678,6 +7678,8 @@ class core:
     query_terms = staticmethod(_query_terms)
     scan_terms = staticmethod(_scan_terms)
     plan_scan = staticmethod(_plan_scan)
+    FUNCTION_WORDS: Final = _FUNCTION_WORDS  # what coverage leaves out of a query
+    stem = staticmethod(_stem)  # how coverage matches other word forms
     # Team memory: the team tool's scan and read requests, and the checks of a server's answers.
     team_scan = staticmethod(_team_scan)
     team_keys = staticmethod(_team_keys)

@@ -1,0 +1,193 @@
+"""Abstention and ranking candidates over eval scenarios (issue 28's study). Run by hand.
+
+    python bench/retrieval.py FILE [FILE ...] [--tactmem DIR]
+
+Replays each scenario file's `put`, `replace`, `delete`, `read` and `advance` steps on a fresh
+`Store` (labels as `tactmem eval` keeps them; a refused write is skipped) and, at each `scan`,
+ranks the whole corpus and keeps every card's score, coverage and matched terms. Then, for each
+abstention candidate of fixtures/eval/retrieval/PREREGISTRATION.md, it applies that file's rule 1
+(the largest threshold on the grid whose recall@5, pooled over the files, is at most 0.02 below
+the ranking's at 0 and costs no category more than 0.10) and prints the operating point, its
+recall@5 and false retrieval, with recall@5 per category at 0. `--tactmem DIR` imports the
+`tactmem.py` in DIR instead of this checkout's (a copy with a ranking candidate applied, such
+as T1). Public names only; nothing here is a target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Scan(NamedTuple):
+    category: str
+    relevant: frozenset[int]
+    subject: list[str]  # the query's terms but its function words (all of them if none is left)
+    idf: dict[str, float]
+    df: dict[str, int]
+    cards: list[tuple[int, float, float, frozenset[str]]]  # id, score, coverage, matched terms
+
+
+def replay(tactmem: Any, path: str) -> list[Scan]:
+    """Every scan of one scenario file, over the whole ranking."""
+    core, scans, labels = tactmem.core, [], {}
+    now = 1_767_225_600_000
+    with tempfile.TemporaryDirectory() as directory:
+        store = tactmem.Store(os.path.join(directory, "memory.sqlite3"))
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            step, now = json.loads(line), now + 1
+            live = {record.key.id: record for record in store.list(now_ms=now)}
+            try:
+                if step["step"] == "put":
+                    labels[step.get("as")] = store.put(step["content"], now_ms=now).key.id
+                elif step["step"] in ("replace", "delete") and labels.get(step["target"]) in live:
+                    key = live[labels[step["target"]]].key
+                    version = step["version"]
+                    wanted = {"current": key.version, "stale": key.version + 7}.get(version)
+                    key = tactmem.Key(key.id, version if wanted is None else wanted)
+                    if step["step"] == "delete":
+                        store.delete(key, now_ms=now)
+                        continue
+                    new = store.put(step["content"], replace=key, now_ms=now).key.id
+                    labels[step["target"]] = labels[step.get("as")] = new
+                elif step["step"] == "read":
+                    store.read([labels[x] for x in step["ids"] if x in labels], now_ms=now)
+                elif step["step"] == "advance":
+                    now += int(step.get("ms", 0) + step.get("days", 0) * 86_400_000)
+                elif step["step"] == "scan":
+                    scans.append(scored(core, store, step, labels, set(live), now))
+            except tactmem.TactmemError:
+                pass  # a refused write, as the scenario may expect
+        store.close()
+    return scans
+
+
+def scored(
+    core: Any, store: Any, step: dict[str, Any], labels: dict[Any, int], live: set[int], now: int
+) -> Scan:
+    store.scan(step["query"], now_ms=now)  # brings the statistics up to date
+    corpus, terms = core.store_corpus(store), core.query_terms(step["query"])
+    ranked = corpus.rank(terms, len(corpus.counts))
+    coverage = corpus.coverage(terms) if ranked else None
+    n = len(corpus.counts)
+    df = {term: len(corpus.postings.get(term, {})) for term in terms}
+    idf = {term: math.log(1 + (n - df[term] + 0.5) / (df[term] + 0.5)) for term in terms}
+    subject = [term for term in terms if term not in core.FUNCTION_WORDS] or terms
+    relevant = frozenset(labels[x] for x in step["relevant"] if labels.get(x) in live)
+    cards = [
+        (doc, score, coverage(doc), frozenset(t for t in terms if t in corpus.counts[doc]))
+        for doc, score in ranked
+        if coverage is not None
+    ]
+    return Scan(step.get("category", "uncategorized"), relevant, subject, idf, df, cards)
+
+
+Feature = Callable[[Scan, tuple[int, float, float, frozenset[str]]], float]
+
+
+def share(weight: Callable[[Scan, str], float], known_only: bool = False) -> Feature:
+    """The weighted share of the subject terms a card holds exactly (no stems)."""
+
+    def feature(scan: Scan, card: tuple[int, float, float, frozenset[str]]) -> float:
+        terms = [t for t in scan.subject if not known_only or scan.df[t]] or scan.subject
+        total = sum(weight(scan, t) for t in terms)
+        return sum(weight(scan, t) for t in terms if t in card[3]) / total if total else 0.0
+
+    return feature
+
+
+def ratio(known_only: bool) -> Feature:
+    """A card's score over the sum of its subject terms' idfs."""
+
+    def feature(scan: Scan, card: tuple[int, float, float, frozenset[str]]) -> float:
+        ideal = sum(scan.idf[t] for t in scan.subject if not known_only or scan.df[t])
+        return card[1] / ideal if ideal else 0.0
+
+    return feature
+
+
+def root_idf(scan: Scan, term: str) -> float:
+    return math.sqrt(scan.idf[term])
+
+
+def plain_idf(scan: Scan, term: str) -> float:
+    return scan.idf[term]
+
+
+SHARES = [x / 100 for x in range(0, 51, 2)]
+RATIOS = [x / 100 for x in range(0, 301)]
+CANDIDATES: dict[str, tuple[Feature, list[float]]] = {
+    "A0 coverage": (lambda scan, card: card[2], SHARES),
+    "A1 coverage without stems": (share(root_idf), SHARES),
+    "A2 coverage over known terms": (share(root_idf, known_only=True), SHARES),
+    "A3 coverage by idf": (share(plain_idf), SHARES),
+    "A4 score / ideal": (ratio(known_only=False), RATIOS),
+    "A5 score / ideal of known terms": (ratio(known_only=True), RATIOS),
+    "A6 A0 x sqrt(min(1, A5))": (
+        lambda scan, card: card[2] * math.sqrt(min(1.0, ratio(True)(scan, card))),
+        SHARES,
+    ),
+}
+
+
+Figures = tuple[float, float, dict[str, float]]
+
+
+def figures(scans: Sequence[Scan], feature: Feature, floor: float) -> Figures:
+    """Recall@5, false retrieval and recall@5 per category, keeping cards whose feature
+    reaches `floor` (walking the whole ranking, as `min_coverage` does)."""
+    recall, false, per = [], [], defaultdict[str, list[float]](list)
+    for scan in scans:
+        kept = {card[0] for card in scan.cards if feature(scan, card) >= floor}
+        top = [card[0] for card in scan.cards if card[0] in kept][:5]
+        if scan.relevant:
+            found = len(scan.relevant.intersection(top)) / len(scan.relevant)
+            recall.append(found)
+            per[scan.category].append(found)
+        else:
+            false.append(1.0 if top else 0.0)
+    mean = {name: sum(values) / len(values) for name, values in per.items()}
+    return sum(recall) / len(recall), sum(false) / max(1, len(false)), mean
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--tactmem", default=str(ROOT), help="the directory of tactmem.py")
+    arguments = parser.parse_args(argv)
+    sys.path.insert(0, arguments.tactmem)
+    import tactmem
+
+    scans = [scan for path in arguments.files for scan in replay(tactmem, path)]
+    base, _, per = figures(scans, CANDIDATES["A0 coverage"][0], 0.0)
+    print(f"{len(scans)} scans from {tactmem.__file__}; recall@5 at 0: {base:.3f}")
+    print("  " + ", ".join(f"{name} {value:.3f}" for name, value in sorted(per.items())))
+    for name, (feature, grid) in CANDIDATES.items():
+        point = max(
+            (floor for floor in grid if ok(figures(scans, feature, floor), base, per)), default=0.0
+        )
+        recall, false, _ = figures(scans, feature, point)
+        print(f"{name:34} t={point:.2f} recall@5 {recall:.3f} false retrieval {false:.3f}")
+    return 0
+
+
+def ok(found: Figures, base: float, per: dict[str, float]) -> bool:
+    """Rule 1: at most 0.02 recall@5 lost overall and 0.10 in any category."""
+    recall, _, mean = found
+    return base - recall <= 0.02 and all(per[name] - mean[name] <= 0.10 for name in mean)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
