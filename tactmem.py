@@ -5003,14 +5003,13 @@ _STEP_FIELDS: Final[dict[str, tuple[Callable[[Any], bool], str]]] = {
         lambda value: isinstance(value, list) and all(map(_is_label, value)), "a list of labels")),
     "agent": (lambda value: value in _AGENTS, '"root" or "child"'),
     "expect": (lambda value: isinstance(value, str), "an outcome"),
-    "version": (lambda value: value in ("current", "stale") or (_is_count(value) and value > 0),
+    "version": (lambda value: value in ("current", "stale") or _is_id(value),
                 '"current", "stale" or a positive integer'),
     "ms": (lambda value: _is_count(value) and value <= _CENTURY_DAYS * _DAY_MS,
            "a whole number of milliseconds, at most a century"),
     "days": (lambda value: type(value) in (int, float) and 0 <= value <= _CENTURY_DAYS,
              "a number of days, at most a century"),
-    **{name: (lambda value: _is_count(value) and value > 0, "a positive integer")
-       for name in _LIMIT_FIELDS},
+    **dict.fromkeys(_LIMIT_FIELDS, (_is_id, "a positive integer")),
 }  # fmt: skip
 
 
