@@ -8230,13 +8230,9 @@ def _switch_command(arguments: argparse.Namespace) -> int:
         raise ConfigError(f"{error}; it was left as it is: put {add!r} under [memory]") from None
     except OSError as error:
         raise ConfigError(f"could not write the config file {path}: {error.strerror}") from None
-    state = "enabled" if enabled else "disabled"
-    if arguments.json:
-        print(_json({"config": path, "enabled": enabled, "changed": changed}))
-    elif changed:
-        print(f"memory {state} for agents in {path}")
-    else:
-        print(f"memory was already {state} for agents in {path}")
+    state = ("" if changed else "was already ") + ("enabled" if enabled else "disabled")
+    summary = {"config": path, "enabled": enabled, "changed": changed}
+    print(_json(summary) if arguments.json else f"memory {state} for agents in {path}")
     return 0
 
 
