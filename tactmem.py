@@ -6525,8 +6525,7 @@ def _addresses(host: str, port: int, deadline: _Deadline) -> list[Any]:
         raise TimeoutError("name lookup")
     if isinstance(found[0], BaseException):
         raise found[0]
-    addresses: list[Any] = found[0]
-    return addresses
+    return list(found[0])
 
 
 class RemoteStore:
@@ -6983,8 +6982,7 @@ class _TeamLinks:
         found = _strict_json(data or b"")
         if data is None or len(data) > _LINKS_BYTES or not _links_document(found):
             raise StorageError(_LINKS_DAMAGED.format(self.path))
-        document: dict[str, Any] = found
-        return document
+        return dict(found)
 
 
 def _links_document(found: Any) -> bool:
