@@ -7632,17 +7632,15 @@ def _setup_command(arguments: argparse.Namespace) -> int:
     name = _SERVER if team is None else _TEAM_SERVER
     entry = _server_entry(host, command, team)
     path = _host_config_path(host, os.environ, sys.platform)
+    answer = {"host": arguments.host, "file": path, "name": name}
     if arguments.write:
         done = _write_host_config(host, path, name, entry)
-        answer = {"host": arguments.host, "file": path, "name": name, "done": done}
-        print(_json(answer) if arguments.json else done)
+        print(_json({**answer, "done": done}) if arguments.json else done)
     elif arguments.json:
         add = None if host.add is None else host.add(name, entry)
-        answer = {"host": arguments.host, "file": path, "name": name, "entry": entry}
-        print(_json({**answer, "command": add}))
+        print(_json({**answer, "entry": entry, "command": add}))
     else:
-        for line in _setup_text(host, name, entry, path):
-            print(line)
+        print("\n".join(_setup_text(host, name, entry, path)))
     for note in _setup_notes(arguments, host, team):
         print(f"tactmem: note: {note}", file=sys.stderr)
     return 0
