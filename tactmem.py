@@ -7374,10 +7374,7 @@ def _merged_config(form: str, text: str, name: str, entry: dict[str, Any]) -> st
     import tomllib
 
     try:
-        if form == "toml":
-            old: Any = tomllib.loads(text)
-        else:
-            old = json.loads(text) if text.strip() else {}
+        old = tomllib.loads(text) if form == "toml" else json.loads(text) if text.strip() else {}
     except (ValueError, RecursionError):  # tomllib's and json's errors are ValueErrors
         raise _Unmergeable(f"it is not valid {form.upper()}") from None
     table = "mcpServers" if form == "json" else "mcp_servers"
