@@ -141,11 +141,8 @@ _AUTHORIZATION_HEADER: Final = re.compile(f"^[{_WS_IN_LINE}]*authorization[:=]",
 # `bearer ` then a token-ish run; the run is checked in code: >= 12 chars, not all letters (ai).
 _BEARER: Final = re.compile(r"bearer (?=([a-z0-9._~+/-]+))", _AI)
 # Provider token prefixes, not glued to a preceding word, with >= 12 token chars (ai).
-_PROVIDER_PREFIX: Final = re.compile(
-    r"(?<![a-z0-9_])(?:sk-|sk_|ghp_|gho_|ghu_|ghs_|github_pat_|xoxb-|xoxp-|xoxa-|xoxr-|akia)"
-    r"[a-z0-9_-]{12}",
-    _AI,
-)
+_PROVIDER_PREFIXES: Final = "sk-|sk_|ghp_|gho_|ghu_|ghs_|github_pat_|xoxb-|xoxp-|xoxa-|xoxr-|akia"
+_PROVIDER_PREFIX: Final = re.compile(f"(?<![a-z0-9_])(?:{_PROVIDER_PREFIXES})[a-z0-9_-]{{12}}", _AI)
 # A value assigned to a credential-like name anywhere (`DATABASE_PASSWORD=x`, `apiToken: x`).
 _CREDENTIAL_NAMES: Final = (
     "password", "passwd", "secret", "token", "private_key", "private-key", "api_key", "api-key",
@@ -1323,25 +1320,7 @@ _REFERENCE_RULES: Final[tuple[_Rule, ...]] = (
     ("authorization_header", ("authorization",), True, _AUTHORIZATION_HEADER.search),
     ("bearer_token", ("bearer ",), True, _bearer_token),
     ("credential_url", ("://",), False, _credential_url),
-    (
-        "provider_token",
-        (
-            "sk-",
-            "sk_",
-            "ghp_",
-            "gho_",
-            "ghu_",
-            "ghs_",
-            "github_pat_",
-            "xoxb-",
-            "xoxp-",
-            "xoxa-",
-            "xoxr-",
-            "akia",
-        ),
-        True,
-        _PROVIDER_PREFIX.search,
-    ),
+    ("provider_token", tuple(_PROVIDER_PREFIXES.split("|")), True, _PROVIDER_PREFIX.search),
     ("jwt", ("eyJ",), False, _jwt),
     ("credential_assignment", _CREDENTIAL_NAMES, True, _credential_assignment),
 )
