@@ -7905,13 +7905,11 @@ def _operation_command(store: Backend, arguments: argparse.Namespace, _: Config 
     namespace = getattr(store, "namespace", "")  # team memory's own, for `deleted alice#7`
     if request.operation == "read":
         value = _in_named_order(value, arguments.ids, namespace)
-    lines = (
-        [_json(_answer(request, value))]
+    print(
+        _json(_answer(request, value))
         if arguments.json
-        else _human(request, value, now, namespace)
+        else "\n".join(_human(request, value, now, namespace))
     )
-    for line in lines:
-        print(line)
     found = {"scan": lambda: not value.abstained, "read": lambda: bool(value)}
     return 0 if found.get(request.operation, lambda: True)() else _NOTHING_FOUND
 
