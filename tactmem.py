@@ -1828,6 +1828,7 @@ def _check_line(
 
 
 _REMOTE_NAMESPACE: Final = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_NAMESPACE_RULE: Final = "must be 1 to 128 ASCII letters, digits, '.', '-' or '_'"
 
 
 def _is_namespace(value: object) -> bool:
@@ -1836,9 +1837,7 @@ def _is_namespace(value: object) -> bool:
 
 def _check_namespace(namespace: object) -> str:
     if not _is_namespace(namespace):
-        raise ConfigError(
-            "remote memory namespace must be 1 to 128 ASCII letters, digits, '.', '-' or '_'"
-        )
+        raise ConfigError(f"remote memory namespace {_NAMESPACE_RULE}")
     return str(namespace)
 
 
@@ -2166,9 +2165,7 @@ def _strict_namespaced(key: Key, value: Mapping[str, Any], what: str) -> RemoteK
     try:
         return RemoteKey(key.id, key.version, _check_namespace(value.get("namespace")))
     except ConfigError:
-        raise InvalidRequest(
-            f"memory {what} namespace must be 1 to 128 ASCII letters, digits, '.', '-' or '_'"
-        ) from None
+        raise InvalidRequest(f"memory {what} namespace {_NAMESPACE_RULE}") from None
 
 
 # Each operation's fields besides `operation` (required, then optional) and what it does.
