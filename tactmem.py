@@ -4259,8 +4259,7 @@ def _parse_export(data: bytes, limits: Limits) -> _Parsed:
     error names the line and the reason, never the content."""
     import hashlib
 
-    if len(data) > _export_bytes(limits):
-        most = _export_bytes(limits)
+    if len(data) > (most := _export_bytes(limits)):
         raise InvalidExport(f"export file: larger than this store's limits allow ({most} bytes)")
     try:
         lines = data.decode("utf-8").split("\n")
