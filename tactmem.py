@@ -4412,11 +4412,10 @@ def _export_command(store: Store, arguments: argparse.Namespace, _: Config | Non
 def _import_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
     """`import FILE|- [--dry-run]`: merge, and say how many records were inserted and skipped."""
     merged = merge(store, _read_export(arguments.file, store.limits), dry_run=arguments.dry_run)
-    if arguments.json:
-        print(_json({**attrs.asdict(merged), "dry_run": arguments.dry_run}))
-        return
+    summary = {**attrs.asdict(merged), "dry_run": arguments.dry_run}
     done = ("would import", "; nothing was written") if arguments.dry_run else ("imported", "")
-    print(f"{done[0]} {merged.inserted} records, skipped {merged.skipped} already held{done[1]}")
+    said = f"{done[0]} {merged.inserted} records, skipped {merged.skipped} already held{done[1]}"
+    print(_json(summary) if arguments.json else said)
 
 
 def _restore_command(store: Store, arguments: argparse.Namespace, _: Config | None) -> None:
