@@ -7182,15 +7182,11 @@ def _pull_command(store: Store, arguments: argparse.Namespace, config: Config | 
         file.save(links, pending=pending, pulled=(now, pulled))
         merged = _merge_records(store, list(enumerate(records, 1)), False, now)
         file.save([*links, *_pull_links(store.list(), pulled, links, now)], pending=pending)
-    if arguments.json:
-        print(_json({"fetched": len(records), **attrs.asdict(merged)}))
-        return
     names = "`, `".join(dict.fromkeys(arguments.namespace or ()))
     selected = "all namespaces" if arguments.all else f"namespaces `{names}`"
-    print(
-        f"Pulled {selected}: {len(records)} fetched, {merged.inserted} inserted,"
-        f" {merged.skipped} skipped."
-    )
+    counts = f"{len(records)} fetched, {merged.inserted} inserted, {merged.skipped} skipped"
+    summary = {"fetched": len(records), **attrs.asdict(merged)}
+    print(_json(summary) if arguments.json else f"Pulled {selected}: {counts}.")
 
 
 # ------------------------------------------------------------ host setup (pure)
