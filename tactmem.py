@@ -1735,9 +1735,7 @@ def rank(
 def preview(content: str, max_bytes: int = _PREVIEW_BYTES) -> str:
     """The longest prefix of `content` that fits in `max_bytes` of UTF-8, never splitting a char."""
     encoded = content.encode("utf-8")
-    if len(encoded) <= max_bytes:
-        return content
-    return encoded[:max_bytes].decode("utf-8", "ignore")
+    return content if len(encoded) <= max_bytes else encoded[:max_bytes].decode("utf-8", "ignore")
 
 
 # ------------------------------------------------------------ checks
