@@ -2565,9 +2565,7 @@ def with_memory_instructions(instructions: str, *, enabled: bool) -> str:
     """Session instructions with the memory note appended once at the end, or removed."""
     base = instructions.replace(_INSTRUCTIONS_SUFFIX, "")
     base = "" if base == MEMORY_INSTRUCTIONS else base
-    if not enabled:
-        return base
-    return base + _INSTRUCTIONS_SUFFIX if base else MEMORY_INSTRUCTIONS
+    return base if not enabled else base + _INSTRUCTIONS_SUFFIX if base else MEMORY_INSTRUCTIONS
 
 
 _REVIEW_STATES: Final = ("disabled", "before_first_turn", "follow_up")
