@@ -5365,10 +5365,9 @@ def _costs(runs: Sequence[_RunFigures]) -> dict[str, Any]:
         # estimated model tokens: one per four bytes of JSON, rounded up (English and JSON
         # average about four bytes a token; CJK text costs more)
         tokens = [-(-size // 4) for size in sizes]
-        cost[f"{operation}_bytes_mean"] = _mean(sizes)
-        cost[f"{operation}_bytes_p95"] = _percentile(sizes, 95)
-        cost[f"{operation}_tokens_mean"] = _mean(tokens)
-        cost[f"{operation}_tokens_p95"] = _percentile(tokens, 95)
+        for unit, values in (("bytes", sizes), ("tokens", tokens)):
+            cost[f"{operation}_{unit}_mean"] = _mean(values)
+            cost[f"{operation}_{unit}_p95"] = _percentile(values, 95)
     files = [run.file_bytes for run in runs]
     cost["main_file_bytes"] = max((sizes.get("main", 0) for sizes in files), default=None)
     cost["sidecar_file_bytes"] = max(
