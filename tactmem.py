@@ -7104,9 +7104,8 @@ def _print_push_plan(
     print(f"  insert    {_pair_list(plan.inserted, namespace)}")
     print(f"  replace   {_pair_list(plan.replaced, namespace)}")
     print(f"  delete    {_team_list(namespace, plan.deleted)}")
-    print(f"  conflict  {conflicts or 'none'}")
-    for line in _push_notes(plan, hidden, namespace, force):
-        print(line)
+    notes = _push_notes(plan, hidden, namespace, force)
+    print(f"  conflict  {conflicts or 'none'}", *notes, sep="\n")
     print(f"The namespace would then hold {len(plan.snapshot)} memories ({size} content bytes).")
 
 
@@ -7144,9 +7143,8 @@ def _print_pushed(
                      "plan": _plan_json(plan, hidden)}))  # fmt: skip
         return
     counts = ", ".join(f"{report[name]} {name}" for name in _SYNC_COUNTS)
-    print(f"Pushed {pushed} memories to namespace `{namespace}`: {counts}.")
-    for line in _push_notes(plan, hidden, namespace, force=True):
-        print(line)
+    notes = _push_notes(plan, hidden, namespace, force=True)
+    print(f"Pushed {pushed} memories to namespace `{namespace}`: {counts}.", *notes, sep="\n")
 
 
 def _check_unguarded(plan: _PushPlan, report: Mapping[str, int], hidden: int) -> None:
