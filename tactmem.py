@@ -2565,7 +2565,9 @@ def with_memory_instructions(instructions: str, *, enabled: bool) -> str:
     """Session instructions with the memory note appended once at the end, or removed."""
     base = instructions.replace(_INSTRUCTIONS_SUFFIX, "")
     base = "" if base == MEMORY_INSTRUCTIONS else base
-    return base if not enabled else base + _INSTRUCTIONS_SUFFIX if base else MEMORY_INSTRUCTIONS
+    if not enabled:
+        return base
+    return base + _INSTRUCTIONS_SUFFIX if base else MEMORY_INSTRUCTIONS
 
 
 _REVIEW_STATES: Final = ("disabled", "before_first_turn", "follow_up")
@@ -5786,9 +5788,10 @@ def _sweep_command(
     """`tactmem eval --sweep`: the curve, from one run (scans leave the ranking as it was)."""
     runs = _run_scenarios(scenarios, 0.0, _SWEEP)
     scans = {x: [scan for run in runs for scan in run.swept[x]] for x in _SWEEP}
-    rows = [(x, _retrieval(scans[x])) for x in _SWEEP]
-    grouped = {x: _grouped(scans[x], lambda scan: scan.category) for x in _SWEEP}
-    curve = [{"min_coverage": x, **figures, "per_category": grouped[x]} for x, figures in rows]
+    by_category = {x: _grouped(scans[x], lambda scan: scan.category) for x in _SWEEP}
+    curve = [
+        {"min_coverage": x, **_retrieval(scans[x]), "per_category": by_category[x]} for x in _SWEEP
+    ]
     print(_json(curve) if arguments.json else "\n".join(_sweep_lines(curve)))
     missed = sum(len(run.missed) for run in runs)
     if missed:
@@ -7419,15 +7422,19 @@ def _json_merge(text: str, name: str, entry: dict[str, Any]) -> str:
 # A line that opens a TOML table (`[a.b]`, `[[a]]`); a multi-line value can hold one too, which
 # the re-parse of the merged text catches.
 _TOML_HEADER: Final = re.compile(r"^[ \t]*\[\[?([^\]\n]*)\]", re.MULTILINE)
-_TOML_TAIL: Final = re.compile(r"^(?:[ \t]*(?:#[^\n]*)?(?:\r?\n|\Z))+\Z", re.MULTILINE)
 
 
 def _own_end(text: str, start: int, after: Sequence[re.Match[str]]) -> int:
     """Where the text of the table whose header ends at `start` ends: at the next header, or
-    the end, but before the blank and comment lines leading there (they are the next one's)."""
+    the end, but before the blank and comment lines leading there (they are the next one's).
+    Walked back a line at a time, so a long run of comments costs what it holds."""
     end = after[0].start() if after else len(text)
-    tail = _TOML_TAIL.search(text, start, end)
-    return end if tail is None else tail.start()
+    while (begin := text.rfind("\n", start, end - 1) + 1) > start:
+        line = text[begin:end].strip()
+        if line and not line.startswith("#"):
+            break
+        end = begin
+    return end
 
 
 def _toml_table(name: str, entry: dict[str, Any]) -> str:
@@ -7689,10 +7696,9 @@ def _closest_option(words: str) -> str:
 
     known = ["--db", "--config", "--json", "--help", "--version"]
     known += [flag for options in _ARGUMENTS.values() for flags, _ in options for flag in flags]
-    for word in words.split():
-        typed = word.partition("=")[0]
+    for typed in (word.partition("=")[0] for word in words.split() if word.startswith("--")):
         close = difflib.get_close_matches(typed, known, n=1, cutoff=0.6)
-        if word.startswith("--") and close and close[0] != typed:  # not another command's own
+        if close and close[0] != typed:  # not the typed option, another command's own
             return f"; did you mean {close[0]}?"
     return ""
 

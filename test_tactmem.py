@@ -7358,6 +7358,8 @@ def test_the_toml_merge_adds_or_replaces_one_table_and_keeps_every_other_byte() 
         '[mcp_servers.tactmem]\ncommand = "/opt/venv/bin/tactmem"\nargs = ["mcp"]\n\n'
         '# the github server: keep\n[mcp_servers.github]\nurl = "g"\n# trailing\n'
     )
+    long = '[mcp_servers.tactmem]\ncommand = "tactmem"\n' + "# note\n" * 20_000 + "[x]\n"
+    assert merged("toml", long) == merged("toml", "") + "# note\n" * 20_000 + "[x]\n"
 
 
 @pytest.mark.parametrize(
