@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import http.client
 import json
@@ -35,6 +36,7 @@ import os
 import pwd
 import random
 import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -94,6 +96,7 @@ def cluster(base: str) -> Iterator[str]:
     )
     run("mkdir", sockets)
     options = f"-k {sockets} -c listen_addresses='' -c max_connections=200"
+    options += " -c shared_preload_libraries=pg_stat_statements"  # the put breakdown's source
     run(pg_ctl, "-D", data, "-l", log, "-o", options, "-w", "start")
     try:
         yield sockets
@@ -206,14 +209,27 @@ Row = tuple[str, ...]
 Figures = dict[str, float]
 
 
+Statements = list[tuple[str, int, float]]  # text, calls, total execution ms
+
+
 def bench_server(
-    backend: str, arguments: list[str], corpora: list[list[str]], queries: list[str], rounds: int
-) -> tuple[list[Row], dict[tuple[str, int], Figures]]:
-    """The rows of one backend at one namespace count, and the figures the ratios need, by
-    (what, clients): ("scan", n) warm scans, ("first", 1) the first scan after a restart."""
+    backend: str,
+    arguments: list[str],
+    corpora: list[list[str]],
+    queries: list[str],
+    rounds: int,
+    statements: Callable[[bool], Statements] | None = None,
+    *,
+    puts_only: bool = False,
+) -> tuple[list[Row], dict[tuple[str, int], Figures], dict[int, Statements]]:
+    """The rows of one backend at one namespace count, the figures the ratios need, by (what,
+    clients): ("scan", n) warm scans, ("put", n), ("first", 1) the first scan after a restart;
+    and with `statements` (reset with True, read with False) what the database ran for each
+    put level, by clients."""
     namespaces = [f"ns{n}" for n in range(len(corpora))]
     full = len(corpora) in FULL
     figures: dict[tuple[str, int], Figures] = {}
+    ran: dict[int, Statements] = {}
     with tempfile.TemporaryDirectory() as directory:
         credentials = Path(directory) / "credentials.toml"
         entry = '[[credentials]]\nnamespace = "{0}"\nrole = "writer"\ntoken = "{1}"\n'
@@ -225,21 +241,28 @@ def bench_server(
             for ns, contents in zip(namespaces, corpora, strict=True):
                 Connection(url, ns).post("/v1/memories/sync", {"memories": snapshot(contents)})
             for clients in CLIENTS if full else (SWEEP_CLIENTS,):
-                figures["scan", clients] = _scan_figures(url, namespaces, queries, clients, rounds)
-                rows.append(
-                    _row(backend, len(namespaces), "scan", clients, figures["scan", clients])
-                )
+                if not puts_only:
+                    scans = _scan_figures(url, namespaces, queries, clients, rounds)
+                    figures["scan", clients] = scans
+                    rows.append(_row(backend, len(namespaces), "scan", clients, scans))
                 if full:
-                    rows.append(_put_row(backend, url, namespaces, corpora, clients, rounds))
+                    ready = functools.partial(statements, True) if statements else None
+                    puts = _put_figures(url, namespaces, clients, rounds, ready)
+                    if statements:
+                        ran[clients] = statements(False)
+                    figures["put", clients] = puts
+                    rows.append(_row(backend, len(namespaces), "put", clients, puts))
         finally:
             stop_server(process)
+        if puts_only:
+            return rows, figures, ran
         process, url, listening = start_server(arguments, str(credentials))
         try:
             first = _first_scans(url, namespaces[0], queries)
         finally:
             stop_server(process)
     figures["first", 1] = {**first, "listening": listening * 1000}
-    return rows, figures
+    return rows, figures, ran
 
 
 def _first_scans(url: str, namespace: str, queries: list[str]) -> Figures:
@@ -268,16 +291,16 @@ def _scan_figures(
     return measure(clients, rounds, scan)
 
 
-def _put_row(
-    backend: str,
+def _put_figures(
     url: str,
     namespaces: list[str],
-    corpora: list[list[str]],
     clients: int,
     rounds: int,
-) -> tuple[str, ...]:
+    ready: Callable[[], object] | None = None,
+) -> Figures:
     """Each client replaces its own records (ids client+1, client+1+32, ...) of its namespace,
-    with fresh text no larger than the old, reading the version it replaces first."""
+    with fresh text no larger than the old, reading the versions it replaces first (then
+    `ready` is called, before the first put)."""
     connections = [Connection(url, namespaces[i % len(namespaces)]) for i in range(clients)]
     writers = [bench._Writer(random.Random(bench.SEED + 7 + i)) for i in range(clients)]
     keys: dict[int, list[tuple[dict[str, Any], str]]] = {}
@@ -285,6 +308,8 @@ def _put_row(
         ids = list(range(client // len(namespaces) + 1, 513, 32))
         found = connections[client].post("/v1/memories/read", {"ids": ids})["memories"]
         keys[client] = [(record["key"], record["content"]) for record in found]
+    if ready:
+        ready()
 
     def put(client: int, n: int) -> None:
         mine = keys[client]
@@ -294,8 +319,7 @@ def _put_row(
         record = connections[client].post("/v1/memories/put", body)["memory"]
         mine[n % len(mine)] = (record["key"], content)
 
-    figures = measure(clients, rounds, put)
-    return _row(backend, len(namespaces), "put", clients, figures)
+    return measure(clients, rounds, put)
 
 
 def _row(
@@ -353,6 +377,92 @@ def bench_anchor(
     return rows
 
 
+_ANCHOR_SCHEMA: Final = (
+    "CREATE TABLE memory_namespaces (namespace TEXT PRIMARY KEY, changes BIGINT)",
+    "CREATE TABLE memories (namespace TEXT REFERENCES memory_namespaces, id BIGINT,"
+    " version BIGINT, content TEXT, identity TEXT, created_at_ms BIGINT, updated_at_ms BIGINT,"
+    " scan_count BIGINT, use_count BIGINT, PRIMARY KEY (namespace, id),"
+    " UNIQUE (namespace, identity))",
+)
+_ANCHOR_PUT: Final = (
+    "INSERT INTO memories (namespace, id, version, content, identity, created_at_ms,"
+    " updated_at_ms, scan_count, use_count) VALUES (?, ?, 1, ?, ?, 1, 1, 0, 1)",
+    "UPDATE memory_namespaces SET changes = changes + 1 WHERE namespace = ?",
+)
+
+
+def bench_put_anchor(
+    backend: str, where: str, texts: list[str], namespaces: int, rounds: int
+) -> dict[int, Figures]:
+    """The floor of a put: one transaction of a bare INSERT of a fresh row and an UPDATE of its
+    namespace's counter, by client count, on connections as the server holds them: PostgreSQL
+    (`where` a DSN) through psycopg, a connection per client (`BEGIN`, the two, `COMMIT`);
+    SQLite (`where` a file) one connection in WAL with `synchronous = FULL`, one transaction at
+    a time (`BEGIN IMMEDIATE` under a lock)."""
+    if backend == "postgres":
+        import psycopg
+
+        def connect() -> Any:
+            return psycopg.connect(where, autocommit=True)
+
+        mark, begin = "%s", "BEGIN"
+        lock: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    else:
+        shared = sqlite3.connect(where, isolation_level=None, check_same_thread=False)
+        shared.execute("PRAGMA journal_mode = WAL")
+        shared.execute("PRAGMA synchronous = FULL")
+
+        def connect() -> Any:
+            return shared
+
+        mark, begin, lock = "?", "BEGIN IMMEDIATE", threading.Lock()  # the engine's lock
+    insert, update = (sql.replace("?", mark) for sql in _ANCHOR_PUT)
+    setup = connect()
+    for statement in _ANCHOR_SCHEMA:
+        setup.execute(statement)
+    for n in range(namespaces):
+        setup.execute(f"INSERT INTO memory_namespaces VALUES ({mark}, 0)", (f"ns{n}",))
+    figures = {}
+    for clients in CLIENTS:
+        connections = [connect() for _ in range(clients)]
+
+        def put(
+            client: int, n: int, connections: list[Any] = connections, level: int = clients
+        ) -> None:
+            namespace, doc_id = f"ns{client % namespaces}", (level * 100 + client) * 10**6 + n
+            text = f"{doc_id} {texts[(client * 7 + n) % len(texts)]}"  # a fresh identity
+            connection = connections[client]
+            with lock:
+                connection.execute(begin)
+                connection.execute(insert, (namespace, doc_id, text, text))
+                connection.execute(update, (namespace,))
+                connection.execute("COMMIT")
+
+        figures[clients] = measure(clients, rounds, put)
+        for connection in connections if backend == "postgres" else ():
+            connection.close()
+    setup.close()
+    return figures
+
+
+def _statements(sockets: str, database: str, reset: bool) -> Statements:
+    """What PostgreSQL ran for `database` since the last reset (`pg_stat_statements`): each
+    statement's text, calls and total execution time in ms, longest first."""
+    import psycopg
+
+    with psycopg.connect(f"host={sockets} user=postgres dbname=postgres", autocommit=True) as db:
+        db.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        if reset:
+            db.execute("SELECT pg_stat_statements_reset()")
+            return []
+        return db.execute(
+            "SELECT query, calls, total_exec_time FROM pg_stat_statements s"
+            " JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = %s"
+            " ORDER BY total_exec_time DESC",
+            (database,),
+        ).fetchall()
+
+
 def bench_store(contents: list[str], queries: list[str], rounds: int) -> Figures:
     """In-process `Store.scan` of the same records, one caller: the floor of a one-client scan."""
     with tempfile.TemporaryDirectory() as directory:
@@ -389,36 +499,99 @@ def ratios(figures: dict[tuple[str, int], dict[tuple[str, int], Figures]], store
         )
 
 
+def put_ratios(
+    figures: dict[tuple[str, int], dict[tuple[str, int], Figures]],
+    anchors: dict[tuple[str, int], dict[int, Figures]],
+) -> None:
+    """A put over the bare INSERT+UPDATE transaction on the same backend, at each client count."""
+    print()
+    for (backend, count), by_clients in sorted(anchors.items()):
+        for clients, anchor in sorted(by_clients.items()):
+            put = figures[backend, count]["put", clients]["p50"]
+            target = " (target <= 2)" if (backend, clients) == ("postgres", SWEEP_CLIENTS) else ""
+            print(
+                f"{backend}: put p50 / bare INSERT+UPDATE p50, {count} namespace(s), {clients}"
+                f" clients: {put / anchor['p50']:.2f}{target}"
+            )
+
+
+def breakdown(
+    ran: dict[tuple[int, int], Statements],
+    figures: dict[tuple[str, int], dict[tuple[str, int], Figures]],
+    rounds: int,
+) -> None:
+    """Where a PostgreSQL put's time goes: for each put level, the statements the database ran
+    (`pg_stat_statements`), per put: calls and execution time, and what the database's own
+    execution adds up to beside the put's p50 (the rest is round trips, waiting and Python)."""
+    for (count, clients), statements in sorted(ran.items()):
+        puts = clients * rounds
+        p50 = figures["postgres", count]["put", clients]["p50"]
+        total = sum(ms for _, _, ms in statements) / puts
+        trips = sum(calls for _, calls, _ in statements) / puts
+        print(
+            f"\npostgres put, {count} namespace(s), {clients} clients: p50 {p50:.2f} ms; the"
+            f" database executed {total:.2f} ms in {trips:.1f} statements per put"
+        )
+        print("| statement | calls per put | ms per put |\n|---|---|---|")
+        for text, calls, ms in statements[:8]:
+            shown = " ".join(text.split())[:90].replace("|", "\\|")
+            print(f"| `{shown}` | {calls / puts:.2f} | {ms / puts:.3f} |")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests per client")
+    parser.add_argument(
+        "--puts", action="store_true", help="only puts, their anchor and breakdown, 1 namespace"
+    )
     arguments = parser.parse_args(argv)
     rounds = 8 if arguments.quick else 40
     queries = bench.build_queries(random.Random(bench.SEED))
     rows: list[tuple[str, ...]] = []
     figures: dict[tuple[str, int], dict[tuple[str, int], Figures]] = {}
+    ran: dict[tuple[int, int], Statements] = {}
+    anchors: dict[tuple[str, int], dict[int, Figures]] = {}
     base = tempfile.mkdtemp(prefix="tactmem-server-bench-")
     try:
         os.chmod(base, 0o755)
-        store = bench_store(bench.build_corpus(random.Random(bench.SEED)), queries, rounds)
+        store = (
+            {}
+            if arguments.puts
+            else bench_store(bench.build_corpus(random.Random(bench.SEED)), queries, rounds)
+        )
         with cluster(base) as sockets:
-            for count in NAMESPACES:
+            for count in FULL[:1] if arguments.puts else NAMESPACES:
                 corpora = [bench.build_corpus(random.Random(bench.SEED + n)) for n in range(count)]
                 some = 8 if count == NAMESPACES[-1] else rounds  # the largest: --quick's count
                 sqlite = ["--sqlite", os.path.join(base, f"team-{count}.sqlite3")]
-                postgres = ["--postgres", create_database(sockets, f"team_{count}")]
+                database = f"team_{count}"
+                postgres = ["--postgres", create_database(sockets, database)]
                 for backend, where in (("sqlite", sqlite), ("postgres", postgres)):
-                    found, figures[backend, count] = bench_server(
-                        backend, where, corpora, queries, some
+                    statements = None
+                    if backend == "postgres":
+                        statements = functools.partial(_statements, sockets, database)
+                    found, figures[backend, count], puts = bench_server(
+                        backend, where, corpora, queries, some, statements, puts_only=arguments.puts
                     )
                     rows += found
+                    ran.update({(count, clients): done for clients, done in puts.items()})
                     for row in found:  # as it goes: a long run shows where it is
                         print("| " + " | ".join(row) + " |", file=sys.stderr, flush=True)
-                    print(backend, count, "start:", figures[backend, count]["first", 1],
-                          file=sys.stderr, flush=True)  # fmt: skip
                 if count in FULL:
-                    anchor = create_database(sockets, f"anchor_{count}")
-                    rows += bench_anchor(anchor, corpora, queries, rounds)
+                    if not arguments.puts:
+                        anchor = create_database(sockets, f"anchor_{count}")
+                        rows += bench_anchor(anchor, corpora, queries, rounds)
+                    for backend, floor in (
+                        ("sqlite", os.path.join(base, f"anchor-{count}.sqlite3")),
+                        ("postgres", create_database(sockets, f"put_anchor_{count}")),
+                    ):
+                        anchors[backend, count] = bench_put_anchor(
+                            backend, floor, corpora[0], count, rounds
+                        )
+                        rows += [
+                            _row(f"{backend} INSERT+UPDATE", count, "put", clients, measured)
+                            for clients, measured in anchors[backend, count].items()
+                        ]
     finally:
         shutil.rmtree(base, ignore_errors=True)
     header = ("backend", "namespaces", "operation", "clients", "p50 ms", "p95 ms", "req/s")
@@ -426,15 +599,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("|" + "---|" * len(header))
     for row in sorted(rows, key=lambda r: (int(r[1]), r[2], int(r[3]), r[0])):
         print("| " + " | ".join(row) + " |")
-    print("\n| backend | namespaces | start to listening ms | first scan ms | p95 of first 10 |")
-    print("|---|---|---|---|---|")
-    for (backend, count), measured in sorted(figures.items(), key=lambda item: item[0][::-1]):
-        start = measured["first", 1]
+    if not arguments.puts:
         print(
-            f"| {backend} | {count} | {start['listening']:.0f} | {start['first']:.2f}"
-            f" | {start['p95']:.2f} |"
+            "\n| backend | namespaces | start to listening ms | first scan ms | p95 of first 10 |"
         )
-    ratios(figures, store)
+        print("|---|---|---|---|---|")
+        for (backend, count), measured in sorted(figures.items(), key=lambda item: item[0][::-1]):
+            start = measured["first", 1]
+            print(
+                f"| {backend} | {count} | {start['listening']:.0f} | {start['first']:.2f}"
+                f" | {start['p95']:.2f} |"
+            )
+        ratios(figures, store)
+    put_ratios(figures, anchors)
+    breakdown(ran, figures, rounds)
     return 0
 
 

@@ -626,6 +626,12 @@ _UPDATE: Final = (
     " use_count = ?, probation_until_ms = ? WHERE namespace = ? AND id = ?"
 )
 _CAPPED: Final = "CASE WHEN {0} < 9223372036854775807 THEN {0} + 1 ELSE {0} END"
+# A change counter's move: compared for equality only, so at 2^63 - 1 it wraps to -2^63
+# rather than fail every write of its namespace.
+_BUMP: Final = (
+    "changes = CASE WHEN changes < 9223372036854775807 THEN changes + 1"
+    " ELSE -9223372036854775807 - 1 END"
+)
 _SQLITE_TYPES: Final = {"ns": "TEXT", "int": "INTEGER", "strict": " STRICT"}
 _POSTGRES_TYPES: Final = {"ns": 'TEXT COLLATE "C"', "int": "BIGINT", "strict": ""}
 
@@ -1113,10 +1119,6 @@ class TeamStore:
     def _prune(self, tx: _Tx, now_ms: int, own: str | None = None) -> dict[str, int]:
         """Drop what `_expired` names, in every namespace (locking those it touches, and `own`,
         which is created if new); the locked namespaces' `next_id`s."""
-        if own is not None:
-            tx.run(
-                "INSERT INTO memory_namespaces (namespace) VALUES (?) ON CONFLICT DO NOTHING", [own]
-            )
         due = (  # `memories_probation` holds only rows on probation: a warm scan reads none
             "SELECT namespace, id, use_count, probation_until_ms FROM memories"
             " WHERE probation_until_ms <= ? AND use_count = 0"
@@ -1127,6 +1129,11 @@ class TeamStore:
             if tactmem.core.expired(uses, until, now_ms)
         }
         locked = self._lock(tx, found | ({own} if own else set()))
+        if own is not None and own not in locked:  # its first write creates the namespace
+            tx.run(
+                "INSERT INTO memory_namespaces (namespace) VALUES (?) ON CONFLICT DO NOTHING", [own]
+            )
+            locked.update(self._lock(tx, [own]))
         if (
             found
         ):  # read again under the locks, each row locked: a read may have ended its probation
@@ -1143,13 +1150,13 @@ class TeamStore:
 
     @staticmethod
     def _changed(tx: _Tx, namespaces: Iterable[str]) -> None:
-        """Move the change counters (compared for equality only, so at 2^63 - 1 one wraps to
-        -2^63 rather than fail every write of its namespace)."""
-        tx.many(
-            "UPDATE memory_namespaces SET changes = CASE WHEN changes < 9223372036854775807"
-            " THEN changes + 1 ELSE -9223372036854775807 - 1 END WHERE namespace = ?",
-            [(ns,) for ns in namespaces],
-        )
+        """Move the change counters of these namespaces, locked already (`_BUMP`)."""
+        names = sorted(set(namespaces))
+        if names:
+            tx.run(
+                f"UPDATE memory_namespaces SET {_BUMP} WHERE namespace IN ({_marks(len(names))})",
+                names,
+            )
 
     # -------------------------------------------------------------------- operations
 
@@ -1289,25 +1296,21 @@ class TeamStore:
     def put(self, namespace: str, put: tactmem.core.Put, deadline: float) -> dict[str, Any]:
         def operation(tx: _Tx) -> dict[str, Any]:
             next_id = self._prune(tx, put.now_ms, namespace)[namespace]
-            rows, size, top = tx.rows(
-                f"SELECT COUNT(*), COALESCE(SUM({self.engine.bytes_sql}), 0), COALESCE(MAX(id), 0)"
+            target = 0 if put.replace is None else put.replace.id  # no row has id 0
+            measure = self.engine.bytes_sql
+            facts = tx.rows(  # one pass over the namespace's rows: all a plan needs
+                f"SELECT COUNT(*), COALESCE(SUM({measure}), 0), COALESCE(MAX(id), 0),"
+                " MAX(CASE WHEN identity = ? THEN id END), MAX(CASE WHEN id = ? THEN version END),"
+                f" COALESCE(MAX(CASE WHEN id = ? THEN {measure} END), 0),"
+                " COALESCE(MAX(CASE WHEN id = ? THEN created_at_ms END), 0)"
                 " FROM memories WHERE namespace = ?",
-                [namespace],
-            )[0]
-            same = tx.rows(
-                "SELECT id FROM memories WHERE namespace = ? AND identity = ?",
-                [namespace, put.identity],
+                [put.identity, target, target, target, namespace],
             )
-            target = put.replace is not None and tx.rows(
-                f"SELECT version, {self.engine.bytes_sql}, created_at_ms FROM memories"
-                " WHERE namespace = ? AND id = ?",
-                [namespace, put.replace.id],
-            )
-            old_version, old_bytes, old_created = target[0] if target else (None, 0, 0)
+            rows, size, top, same, old_version, old_bytes, old_created = facts[0]
             state = tactmem.core.PutState(
                 rows=int(rows), content_bytes=int(size), next_id=max(next_id, int(top) + 1),
-                duplicate_of=same[0][0] if same else None, target_version=old_version,
-                target_bytes=old_bytes, target_created_at_ms=old_created,
+                duplicate_of=same, target_version=old_version, target_bytes=int(old_bytes),
+                target_created_at_ms=int(old_created),
             )  # fmt: skip
             plan = plan_put(put, state)
             new = plan.record
@@ -1318,7 +1321,7 @@ class TeamStore:
                     [namespace, new.key.id, new.key.version, new.content, put.identity, *values],
                 )
                 tx.run(
-                    "UPDATE memory_namespaces SET next_id = ? WHERE namespace = ?",
+                    f"UPDATE memory_namespaces SET next_id = ?, {_BUMP} WHERE namespace = ?",
                     [new.key.id + 1, namespace],
                 )
             else:
@@ -1326,7 +1329,7 @@ class TeamStore:
                     _UPDATE,
                     [new.key.version, new.content, put.identity, *values, namespace, new.key.id],
                 )
-            self._changed(tx, [namespace])
+                self._changed(tx, [namespace])
             return wire_record(namespace, new)
 
         result: dict[str, Any] = self._run(deadline, operation)
