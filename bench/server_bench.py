@@ -4,6 +4,7 @@ Run by hand, never as a timed test (SPEC §8):
 
     python bench/server_bench.py            # 1-200 namespaces of 512 records, both backends
     python bench/server_bench.py --quick    # fewer requests: too few samples to settle a figure
+    python bench/server_bench.py --quick --puts   # only puts, their anchor and breakdown
 
 For each backend (an SQLite file; a PostgreSQL cluster this script starts with initdb and pg_ctl)
 and for 1, 10, 50 and 200 namespaces filled with `bench.py`'s corpus (512 records, about 255 KiB
@@ -15,6 +16,15 @@ and 32 concurrent clients, at 10 and 200 (the sweep) scans with 8 (200 namespace
 PostgreSQL's own full-text search over the same records: `ts_rank` top 5 of a GIN-indexed
 `tsvector`, the query's terms joined by OR, through psycopg directly (no HTTP, no
 authentication, no telemetry write), at 1 and 50 namespaces.
+
+The put anchor is the database's own cost of a write: one transaction of a bare INSERT of a
+fresh row and an UPDATE of its namespace's counter, on connections as the server holds them
+(PostgreSQL: one per client, `BEGIN` and `COMMIT` through psycopg; SQLite: one connection in WAL
+with `synchronous = FULL`, one transaction at a time), at 1, 8 and 32 clients. For each
+PostgreSQL put level, `pg_stat_statements` (the cluster preloads it) says what the database ran
+per put: each statement's calls and execution time, and their sum beside the put's p50 (the
+rest is round trips, waiting for the GIL and Python). `--puts` measures only the puts, their
+anchors and that breakdown, at 1 namespace (about a minute).
 
 Then the server is stopped and started again on the same database: the start-up table shows the
 time from the process's start to its "listening" line, its first scan (one client, sent at

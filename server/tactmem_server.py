@@ -569,12 +569,19 @@ def keep_reads(
 # ============================================================================ storage (I/O)
 
 
+_Statement = tuple[str, Sequence[object]]
+
+
 class _Tx(Protocol):
     """One open transaction of an engine; statements use `?` placeholders."""
 
     def rows(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]: ...
     def run(self, sql: str, params: Sequence[object] = ()) -> None: ...
     def many(self, sql: str, params: Iterable[Sequence[object]]) -> None: ...
+    def batch(self, statements: Sequence[_Statement]) -> list[list[tuple[Any, ...]]]:
+        """These statements in order, in one round trip where the engine can (PostgreSQL's
+        pipeline mode); the rows of each (none for a write)."""
+        ...
 
 
 class _Engine(Protocol):
@@ -872,6 +879,14 @@ class _SqliteTx:
     def many(self, sql: str, params: Iterable[Sequence[object]]) -> None:
         self._note(sql, self.connection.executemany(sql, params))
 
+    def batch(self, statements: Sequence[_Statement]) -> list[list[tuple[Any, ...]]]:
+        found = []
+        for sql, params in statements:
+            cursor = self.connection.execute(sql, params)
+            self._note(sql, cursor)
+            found.append(cursor.fetchall())
+        return found
+
     def _note(self, sql: str, cursor: sqlite3.Cursor) -> None:
         self.erased = self.erased or (sql.startswith(_ERASING) and cursor.rowcount > 0)
 
@@ -971,6 +986,16 @@ class _PostgresTx:
     def many(self, sql: str, params: Iterable[Sequence[object]]) -> None:
         with self.connection.cursor() as cursor:
             cursor.executemany(sql.replace("?", "%s"), list(params))
+
+    def batch(self, statements: Sequence[_Statement]) -> list[list[tuple[Any, ...]]]:
+        if not statements:  # an empty pipeline still costs a round trip
+            return []
+        with self.connection.pipeline():
+            cursors = [
+                self.connection.execute(sql.replace("?", "%s"), params)
+                for sql, params in statements
+            ]
+        return [cursor.fetchall() if cursor.description else [] for cursor in cursors]
 
 
 class PostgresEngine:
@@ -1103,22 +1128,29 @@ class TeamStore:
 
     # -------------------------------------------------------------------- locks and prune
 
-    def _lock(self, tx: _Tx, namespaces: Iterable[str]) -> dict[str, int]:
+    def _lock(
+        self, tx: _Tx, namespaces: Iterable[str], then: Sequence[_Statement] = ()
+    ) -> tuple[dict[str, int], list[list[tuple[Any, ...]]]]:
         """Lock these namespaces' rows in byte order (so two transactions cannot deadlock on
-        them); their `next_id`s."""
+        them); their `next_id`s, and the rows of `then`, run in the same round trip once the
+        locks are held."""
         names = sorted(set(namespaces))
         if not names:
-            return {}
-        rows = tx.rows(
+            return {}, tx.batch(then)
+        lock = (
             "SELECT namespace, next_id FROM memory_namespaces"
             f" WHERE namespace IN ({_marks(len(names))}) ORDER BY namespace{self.engine.lock_sql}",
             names,
         )
-        return dict(rows)
+        locked, *after = tx.batch([lock, *then])
+        return dict(locked), after
 
-    def _prune(self, tx: _Tx, now_ms: int, own: str | None = None) -> dict[str, int]:
+    def _prune(
+        self, tx: _Tx, now_ms: int, own: str | None = None, then: Sequence[_Statement] = ()
+    ) -> tuple[dict[str, int], list[list[tuple[Any, ...]]]]:
         """Drop what `_expired` names, in every namespace (locking those it touches, and `own`,
-        which is created if new); the locked namespaces' `next_id`s."""
+        which is created if new); the locked namespaces' `next_id`s, and the rows of `then`,
+        statements run once the prune is done (with the locks, when nothing comes between)."""
         due = (  # `memories_probation` holds only rows on probation: a warm scan reads none
             "SELECT namespace, id, use_count, probation_until_ms FROM memories"
             " WHERE probation_until_ms <= ? AND use_count = 0"
@@ -1128,12 +1160,13 @@ class TeamStore:
             for ns, _, uses, until in tx.rows(due, [now_ms])
             if tactmem.core.expired(uses, until, now_ms)
         }
-        locked = self._lock(tx, found | ({own} if own else set()))
+        locked, after = self._lock(tx, found | ({own} if own else set()), () if found else then)
         if own is not None and own not in locked:  # its first write creates the namespace
             tx.run(
                 "INSERT INTO memory_namespaces (namespace) VALUES (?) ON CONFLICT DO NOTHING", [own]
             )
-            locked.update(self._lock(tx, [own]))
+            more, after = self._lock(tx, [own], () if found else then)
+            locked.update(more)
         if (
             found
         ):  # read again under the locks, each row locked: a read may have ended its probation
@@ -1146,7 +1179,8 @@ class TeamStore:
             ]
             tx.many("DELETE FROM memories WHERE namespace = ? AND id = ?", expired)
             self._changed(tx, {ns for ns, _ in expired})
-        return locked
+            after = tx.batch(then)
+        return locked, after
 
     @staticmethod
     def _changed(tx: _Tx, namespaces: Iterable[str]) -> None:
@@ -1295,10 +1329,9 @@ class TeamStore:
 
     def put(self, namespace: str, put: tactmem.core.Put, deadline: float) -> dict[str, Any]:
         def operation(tx: _Tx) -> dict[str, Any]:
-            next_id = self._prune(tx, put.now_ms, namespace)[namespace]
             target = 0 if put.replace is None else put.replace.id  # no row has id 0
             measure = self.engine.bytes_sql
-            facts = tx.rows(  # one pass over the namespace's rows: all a plan needs
+            facts = (  # one pass over the namespace's rows: all a plan needs
                 f"SELECT COUNT(*), COALESCE(SUM({measure}), 0), COALESCE(MAX(id), 0),"
                 " MAX(CASE WHEN identity = ? THEN id END), MAX(CASE WHEN id = ? THEN version END),"
                 f" COALESCE(MAX(CASE WHEN id = ? THEN {measure} END), 0),"
@@ -1306,30 +1339,35 @@ class TeamStore:
                 " FROM memories WHERE namespace = ?",
                 [put.identity, target, target, target, namespace],
             )
-            rows, size, top, same, old_version, old_bytes, old_created = facts[0]
+            locked, [[found]] = self._prune(tx, put.now_ms, namespace, [facts])
+            rows, size, top, same, old_version, old_bytes, old_created = found
             state = tactmem.core.PutState(
-                rows=int(rows), content_bytes=int(size), next_id=max(next_id, int(top) + 1),
-                duplicate_of=same, target_version=old_version, target_bytes=int(old_bytes),
+                rows=int(rows), content_bytes=int(size),
+                next_id=max(locked[namespace], int(top) + 1), duplicate_of=same,
+                target_version=old_version, target_bytes=int(old_bytes),
                 target_created_at_ms=int(old_created),
             )  # fmt: skip
             plan = plan_put(put, state)
             new = plan.record
             values = attrs.astuple(new, recurse=False)[2:]  # times, then telemetry
+            write: _Statement
+            bump: _Statement = (
+                f"UPDATE memory_namespaces SET {_BUMP} WHERE namespace = ?",
+                [namespace],
+            )
             if plan.insert:
-                tx.run(
+                write = (
                     _INSERT,
                     [namespace, new.key.id, new.key.version, new.content, put.identity, *values],
                 )
-                tx.run(
+                bump = (
                     f"UPDATE memory_namespaces SET next_id = ?, {_BUMP} WHERE namespace = ?",
                     [new.key.id + 1, namespace],
                 )
             else:
-                tx.run(
-                    _UPDATE,
-                    [new.key.version, new.content, put.identity, *values, namespace, new.key.id],
-                )
-                self._changed(tx, [namespace])
+                fields = [new.key.version, new.content, put.identity, *values]
+                write = _UPDATE, [*fields, namespace, new.key.id]
+            tx.batch([write, bump])
             return wire_record(namespace, new)
 
         result: dict[str, Any] = self._run(deadline, operation)
@@ -1366,7 +1404,7 @@ class TeamStore:
         def operation(tx: _Tx) -> dict[str, int]:
             if if_changes is not None and self._facts(tx, namespace, lock=True)[0] != if_changes:
                 raise tactmem.Conflict()
-            next_id = self._prune(tx, now_ms, namespace)[namespace]
+            next_id = self._prune(tx, now_ms, namespace)[0][namespace]
             rows = tx.rows(f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?", [namespace])
             previous = {r.key.id: r for _, r in map(_namespaced, rows)}
             sent = snapshot if if_changes is None else keep_reads(previous, snapshot)

@@ -1856,6 +1856,10 @@ class CountingEngine:
                 def many(self, sql: str, params: Any) -> None:
                     tx.many(sql, params)
 
+                def batch(self, statements: Any) -> list[list[tuple[Any, ...]]]:
+                    engine.statements.extend((sql, tuple(params)) for sql, params in statements)
+                    return tx.batch(statements)
+
             yield Recording()
 
     def check(self, deadline: float) -> None:
