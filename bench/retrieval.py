@@ -1,6 +1,6 @@
 """Abstention and ranking candidates over eval scenarios (issue 28's study). Run by hand.
 
-    python bench/retrieval.py FILE [FILE ...] [--tactmem DIR]
+    python bench/retrieval.py FILE [FILE ...] [--tactmem DIR] [--only NAME --at T [U]]
 
 Replays each scenario file's `put`, `replace`, `delete`, `read` and `advance` steps on a fresh
 `Store` (labels as `tactmem eval` keeps them; a refused write is skipped) and, at each `scan`,
@@ -10,7 +10,9 @@ abstention candidate of fixtures/eval/retrieval/PREREGISTRATION.md, it applies t
 the ranking's at 0 and costs no category more than 0.10) and prints the operating point, its
 recall@5 and false retrieval, with recall@5 per category at 0. `--tactmem DIR` imports the
 `tactmem.py` in DIR instead of this checkout's (a copy with a ranking candidate applied, such
-as T1). Public names only; nothing here is a target.
+as T1). `--only B2 --at 0.28 0.30` scores one candidate at a fixed point and nothing else (the
+kept-out set is scored so, once per accepted candidate: rule 4). Public names only; nothing
+here is a target.
 """
 
 from __future__ import annotations
@@ -268,7 +270,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+")
     parser.add_argument("--tactmem", default=str(ROOT), help="the directory of tactmem.py")
+    parser.add_argument("--only", help="one candidate (its code, such as B2), scored at --at")
+    parser.add_argument("--at", nargs="+", type=float, default=[], help="its t (and u)")
     arguments = parser.parse_args(argv)
+    if bool(arguments.only) != bool(arguments.at):
+        parser.error("--only and --at go together")
     sys.path.insert(0, arguments.tactmem)
     import tactmem
 
@@ -279,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("  paraphrase by kind: " + ", ".join(f"{k} {v:.3f}" for k, v in kinds(scans).items()))
     wrong, named = confusion(scans)
     print(f"  cross-workspace confusion: {wrong}/{named} = {wrong / max(1, named):.3f}")
+    if arguments.only:
+        return fixed(scans, arguments.only, arguments.at, per)
     for name, (feature, grid) in CANDIDATES.items():
         point = max(
             (t for t in grid if ok(figures(scans, floor(feature, t)), base, per)), default=0.0
@@ -289,6 +297,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         t, u = operating_point(scans, rule, grid, second, base, per)
         recall, false, _ = figures(scans, rule(t, u))
         print(f"{name:38} t={t:.2f} u={u:.2f} recall@5 {recall:.3f} false retrieval {false:.3f}")
+    return 0
+
+
+def fixed(scans: Sequence[Scan], code: str, at: list[float], per: dict[str, float]) -> int:
+    """One candidate at a fixed point: recall@5, false retrieval, and each category's recall@5
+    against the ranking's at 0 (`per`)."""
+    if len(at) == 1 and (one := [c for n, (c, _) in CANDIDATES.items() if n.split()[0] == code]):
+        keep = floor(one[0], at[0])
+    elif len(at) == 2 and (two := [r for n, (r, *_) in RULES.items() if n.split()[0] == code]):
+        keep = two[0](at[0], at[1])
+    else:
+        raise SystemExit(f"no candidate {code} with {len(at)} parameters")
+    recall, false, mean = figures(scans, keep)
+    print(f"{code} at {' '.join(map(str, at))}: recall@5 {recall:.3f} false retrieval {false:.3f}")
+    print("  " + ", ".join(f"{k} {per[k]:.3f} -> {v:.3f}" for k, v in sorted(mean.items())))
     return 0
 
 
