@@ -99,9 +99,6 @@ _PREVIEW_BYTES: Final = 64
 _MAX_SQL_INT: Final = 2**63 - 1
 _BM25_K1: Final = 1.2
 _BM25_B: Final = 0.75
-# How far ahead of the second a scan's first record keeps its card below `min_coverage`, as a
-# share of its score (chosen with the threshold by issue 28's rule, `RECOMMENDED_MIN_COVERAGE`).
-_FIRST_CARD_LEAD: Final = 0.30
 _CACHED_TERMS: Final = 8192  # queried terms whose weights are kept (all dropped beyond)
 _Sort = Literal["useful", "newest", "oldest", "least"]
 
@@ -799,7 +796,7 @@ class Config:
 
 
 # Why a scan returned nothing: no term in the query, a limit below 1, no record sharing a term,
-# or every record that shares one below the scan's `min_coverage` (and none far ahead).
+# or every record that shares one below the scan's `min_coverage`.
 _Abstention = Literal["no_terms", "no_room", "no_overlap", "low_coverage"]
 
 
@@ -1903,18 +1900,16 @@ def _plan_scan(
     corpus: _Corpus, terms: Sequence[str], limit: int, limits: Limits, min_coverage: float = 0.0
 ) -> _ScanPlan:
     """Rank the visible corpus: at most `limits.scan_results` cards (none for a limit below 1)
-    of records whose coverage is at least `min_coverage`, best first, each with a preview, and,
-    with a `min_coverage` above 0, the first record too when it leads (`_leads`); only the
-    cards returned get scan telemetry. With a `min_coverage` above 0 the whole ranking is
+    of records whose coverage is at least `min_coverage`, best first, each with a preview; only
+    the cards returned get scan telemetry. With a `min_coverage` above 0 the whole ranking is
     walked, so a weak record never takes the place of a covering one below it."""
     room = max(0, min(limit, limits.scan_results))
     ranked = corpus.rank(terms, room if min_coverage <= 0 or not room else len(corpus.counts))
     kept = []
     if ranked:  # coverage weighs the terms by the idfs this ranking worked out
-        coverage, first = corpus.coverage(terms), ranked[0][0] if _leads(ranked) else None
+        coverage = corpus.coverage(terms)
         covered = ((doc_id, score, coverage(doc_id)) for doc_id, score in ranked)
-        chosen = (card for card in covered if card[2] >= min_coverage or card[0] == first)
-        kept = list(itertools.islice(chosen, room))
+        kept = list(itertools.islice((card for card in covered if card[2] >= min_coverage), room))
     cards = tuple(
         Candidate(Key(doc_id, corpus.rows[doc_id][1]), preview(corpus.contents[doc_id]), *scores)
         for doc_id, *scores in kept
@@ -1927,14 +1922,6 @@ def _plan_scan(
         else "no_overlap"
     )  # fmt: skip
     return _ScanPlan(ScanResult(not cards, cards, reason), tuple(card[0] for card in kept))
-
-
-def _leads(ranked: Sequence[tuple[int, float]]) -> bool:
-    """Whether the first of a whole ranking is ahead of the second by `_FIRST_CARD_LEAD` of
-    its score: a record far ahead is what the query is about, however few of its words it has
-    (issue 28's B2, fixtures/eval/retrieval/PREREGISTRATION.md)."""
-    second = ranked[1][1] if len(ranked) > 1 else 0.0
-    return (ranked[0][1] - second) / ranked[0][1] >= _FIRST_CARD_LEAD
 
 
 def _read_ids(ids: Iterable[int], limits: Limits) -> list[int]:
@@ -3413,9 +3400,8 @@ class Store:
         min_coverage: float = 0.0,
         now_ms: int | None = None,
     ) -> ScanResult:
-        """Rank visible records, leaving out those whose coverage is below `min_coverage` but
-        a first record far ahead of the second; only the returned candidates get scan
-        telemetry."""
+        """Rank visible records, leaving out those whose coverage is below `min_coverage`; only
+        the returned candidates get scan telemetry."""
         terms, floor = _scan_terms(query, self.limits), _check_min_coverage(min_coverage)
         now = _now_ms(now_ms)
         statistics = self._statistics
@@ -3628,8 +3614,7 @@ class MemoryTool:
     `call` never raises for bad input: every failure becomes
     `{"error": {"code": ..., "message": ...}}` and changes nothing. Only a root agent may put
     or delete, and a put needs a successful scan since this tool's last put attempt. Scans
-    leave out candidates whose coverage is below `min_coverage` (0: none), but a first one far
-    ahead of the second. `team=True` serves
+    leave out candidates whose coverage is below `min_coverage` (0: none). `team=True` serves
     team memory (a `TeamBackend`): `read` takes the keys scan returned (`tool_definition`).
     """
 
@@ -4948,9 +4933,9 @@ def _next_key_waiting(screen: Any) -> bool:
 # `MemoryTool` by the shell's `_Scenario`, and scored here; paired agent runs are judged here.
 
 
-# The operating point issue 28's pre-registered rule chose on the tuning scenarios, with
-# `_FIRST_CARD_LEAD` (fixtures/eval/retrieval/PREREGISTRATION.md, docs/evaluation.md).
-RECOMMENDED_MIN_COVERAGE: Final = 0.28
+# The operating point `tactmem eval --sweep` chose on the development scenarios
+# (docs/evaluation.md).
+RECOMMENDED_MIN_COVERAGE: Final = 0.34
 
 
 class _BadScenario(TactmemError):

@@ -1318,12 +1318,7 @@ class Model:
             (doc_id, score, coverage_of(query, rows[doc_id].content, [text for _, text in docs]))
             for doc_id, score in everything
         ]
-        first = everything[0][1] if everything else 0.0
-        second = everything[1][1] if len(everything) > 1 else 0.0
-        leads = (
-            bool(everything) and (first - second) / first >= 0.30
-        )  # a first card far ahead is kept
-        ranked = [c for i, c in enumerate(covered) if c[2] >= min_coverage or (leads and i == 0)]
+        ranked = [card for card in covered if card[2] >= min_coverage]
         ranked = ranked[: min(limit, self.limits.scan_results)]
         candidates = tuple(
             Candidate(rows[doc_id].key, preview(rows[doc_id].content), score, coverage)

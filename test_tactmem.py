@@ -5213,8 +5213,7 @@ def test_eval_scores_a_scenario_and_checks_every_expectation(
     assert report["cost"]["scan_tokens_p95"] == -(-report["cost"]["scan_bytes_p95"] // 4)
     covered = run_cli(capsys, "--json", "eval", path, "--thresholds", str(thresholds),
                       "--min-coverage", "0.9")  # fmt: skip
-    # `quarry deploys` has one record sharing a term: it leads by all its score, so it is kept
-    assert covered[0] == 0 and json.loads(covered[1])["metrics"]["false_retrieval"] == 0.5
+    assert covered[0] == 0 and json.loads(covered[1])["metrics"]["false_retrieval"] == 0.0
 
 
 def test_eval_shows_its_progress_on_a_terminals_standard_error(
@@ -5400,9 +5399,6 @@ def test_the_sweep_agrees_with_a_run_at_each_point(
 def test_min_coverage_is_checked_everywhere(db: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with Store(db) as store:
         store.put("In quarry, `make check` runs the linters first.")
-        alone = store.scan("quarry deploy rollback", min_coverage=0.9).candidates
-        assert [card.coverage < 0.9 for card in alone] == [True]  # far ahead: it has no second
-        store.put("In quarry, `make docs` builds the manual.")  # a second as close as the first
         for bad in (-0.1, 1.5, math.nan, True, "0.5"):
             with pytest.raises(tactmem.InvalidRequest, match="min_coverage"):
                 store.scan("quarry", min_coverage=bad)  # type: ignore[arg-type]
@@ -5410,8 +5406,8 @@ def test_min_coverage_is_checked_everywhere(db: Path, capsys: pytest.CaptureFixt
                 MemoryTool(store, root=True, min_coverage=bad)  # type: ignore[arg-type]
         weak = store.scan("quarry deploy rollback", min_coverage=0.9)
         assert weak == tactmem.ScanResult(abstained=True, candidates=(), reason="low_coverage")
-        cards = store.scan("quarry deploy rollback").candidates
-        assert len(cards) == 2 and all(0 < card.coverage < 0.9 for card in cards)
+        (card,) = store.scan("quarry deploy rollback").candidates
+        assert 0 < card.coverage < 0.9
     for command in ("scan", "tool", "mcp", "eval"):
         status, out, err = run_cli(capsys, "--db", str(db), command, "--min-coverage", "nan")
         assert (status, out) == (2, "") and "must be a number from 0 to 1" in err
@@ -5427,7 +5423,6 @@ def test_min_coverage_is_checked_everywhere(db: Path, capsys: pytest.CaptureFixt
 def test_the_tool_command_drops_weak_cards_at_its_min_coverage(db: Path) -> None:
     with Store(db) as store:
         store.put("In quarry, `make check` runs the linters first.")
-        store.put("In quarry, `make docs` builds the manual.")  # so neither card leads alone
     requests = "".join(json.dumps({"operation": "scan", "query": q}) + "\n"
                        for q in ("quarry linters", "quarry deploy rollback"))  # fmt: skip
     result = subprocess.run(
