@@ -1,6 +1,6 @@
 """Abstention and ranking candidates over eval scenarios (issue 28's study). Run by hand.
 
-    python bench/retrieval.py FILE [FILE ...] [--tactmem DIR]
+    python bench/retrieval.py FILE [FILE ...] [--tactmem DIR] [--only NAME --at T [U]]
 
 Replays each scenario file's `put`, `replace`, `delete`, `read` and `advance` steps on a fresh
 `Store` (labels as `tactmem eval` keeps them; a refused write is skipped) and, at each `scan`,
@@ -10,7 +10,9 @@ abstention candidate of fixtures/eval/retrieval/PREREGISTRATION.md, it applies t
 the ranking's at 0 and costs no category more than 0.10) and prints the operating point, its
 recall@5 and false retrieval, with recall@5 per category at 0. `--tactmem DIR` imports the
 `tactmem.py` in DIR instead of this checkout's (a copy with a ranking candidate applied, such
-as T1). Public names only; nothing here is a target.
+as T1). `--only B2 --at 0.28 0.30` scores one candidate at a fixed point and nothing else (the
+kept-out set is scored so, once per accepted candidate: rule 4). Public names only; nothing
+here is a target.
 """
 
 from __future__ import annotations
@@ -29,13 +31,17 @@ from typing import Any, NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 
 
+Card = tuple[int, float, float, frozenset[str], frozenset[str]]
+
+
 class Scan(NamedTuple):
     category: str
+    note: str
     relevant: frozenset[int]
     subject: list[str]  # the query's terms but its function words (all of them if none is left)
     idf: dict[str, float]
     df: dict[str, int]
-    cards: list[tuple[int, float, float, frozenset[str]]]  # id, score, coverage, matched terms
+    cards: list[Card]  # id, score, coverage, matched terms, subject terms held (stems included)
 
 
 def replay(tactmem: Any, path: str) -> list[Scan]:
@@ -87,20 +93,33 @@ def scored(
     subject = [term for term in terms if term not in core.FUNCTION_WORDS] or terms
     relevant = frozenset(labels[x] for x in step["relevant"] if labels.get(x) in live)
     cards = [
-        (doc, score, coverage(doc), frozenset(t for t in terms if t in corpus.counts[doc]))
+        (
+            doc,
+            score,
+            coverage(doc),
+            frozenset(t for t in terms if t in corpus.counts[doc]),
+            held(core, subject, corpus.counts[doc]),
+        )
         for doc, score in ranked
         if coverage is not None
     ]
-    return Scan(step.get("category", "uncategorized"), relevant, subject, idf, df, cards)
+    category, note = step.get("category", "uncategorized"), step.get("note", "")
+    return Scan(category, note, relevant, subject, idf, df, cards)
 
 
-Feature = Callable[[Scan, tuple[int, float, float, frozenset[str]]], float]
+def held(core: Any, subject: list[str], counts: dict[str, int]) -> frozenset[str]:
+    """The subject terms a card holds as they are or by `core.stem`, as coverage counts them."""
+    stems = {core.stem(term) for term in counts}
+    return frozenset(t for t in subject if t in counts or core.stem(t) in stems)
+
+
+Feature = Callable[[Scan, Card], float]
 
 
 def share(weight: Callable[[Scan, str], float], known_only: bool = False) -> Feature:
     """The weighted share of the subject terms a card holds exactly (no stems)."""
 
-    def feature(scan: Scan, card: tuple[int, float, float, frozenset[str]]) -> float:
+    def feature(scan: Scan, card: Card) -> float:
         terms = [t for t in scan.subject if not known_only or scan.df[t]] or scan.subject
         total = sum(weight(scan, t) for t in terms)
         return sum(weight(scan, t) for t in terms if t in card[3]) / total if total else 0.0
@@ -111,7 +130,7 @@ def share(weight: Callable[[Scan, str], float], known_only: bool = False) -> Fea
 def ratio(known_only: bool) -> Feature:
     """A card's score over the sum of its subject terms' idfs."""
 
-    def feature(scan: Scan, card: tuple[int, float, float, frozenset[str]]) -> float:
+    def feature(scan: Scan, card: Card) -> float:
         ideal = sum(scan.idf[t] for t in scan.subject if not known_only or scan.df[t])
         return card[1] / ideal if ideal else 0.0
 
@@ -124,6 +143,38 @@ def root_idf(scan: Scan, term: str) -> float:
 
 def plain_idf(scan: Scan, term: str) -> float:
     return scan.idf[term]
+
+
+def missing(known: float, unknown: float) -> Feature:
+    """Coverage (stems included) with the subject terms a card lacks weighed apart: those the
+    corpus holds elsewhere by `known`, those no record holds by `unknown` (A0 is 1 and 1)."""
+
+    def feature(scan: Scan, card: Card) -> float:
+        have = lack_known = lack_unknown = 0.0
+        for term in scan.subject:
+            weight = root_idf(scan, term)
+            if term in card[4]:
+                have += weight
+            elif scan.df[term]:
+                lack_known += weight
+            else:
+                lack_unknown += weight
+        total = have + known * lack_known + unknown * lack_unknown
+        return have / total if total else 0.0
+
+    return feature
+
+
+def by_count(scan: Scan, card: Card) -> float:
+    """The share of the subject terms a card holds (stems included), each weighing 1."""
+    return len(card[4]) / len(scan.subject)
+
+
+def lead(scan: Scan) -> float:
+    """How far the scan's first score is ahead of its second, as a share of the first."""
+    first = scan.cards[0][1]
+    second = scan.cards[1][1] if len(scan.cards) > 1 else 0.0
+    return (first - second) / first
 
 
 SHARES = [x / 100 for x in range(0, 51, 2)]
@@ -139,19 +190,52 @@ CANDIDATES: dict[str, tuple[Feature, list[float]]] = {
         lambda scan, card: card[2] * math.sqrt(min(1.0, ratio(True)(scan, card))),
         SHARES,
     ),
+    "A7 known missing terms count double": (missing(known=2.0, unknown=1.0), SHARES),
+    "A8 unknown missing terms count half": (missing(known=1.0, unknown=0.5), SHARES),
+    "A9 coverage by count": (by_count, SHARES),
+}
+Keep = Callable[[Scan, int, Card], bool]  # is the card at this rank kept?
+Rule = Callable[[float, float], Keep]  # a two-parameter rule at (t, u)
+A5 = ratio(known_only=True)
+RULES: dict[str, tuple[Rule, list[float], list[float]]] = {
+    "B1 A0 >= t and lead >= u": (
+        lambda t, u: lambda scan, rank, card: card[2] >= t and lead(scan) >= u,
+        SHARES,
+        [x / 100 for x in range(0, 51, 2)],
+    ),
+    "B2 A0 >= t, or first with lead >= u": (
+        lambda t, u: lambda scan, rank, card: card[2] >= t or (rank == 0 and lead(scan) >= u),
+        SHARES,
+        [x / 100 for x in range(5, 101, 5)],
+    ),
+    "B3 A0 >= t and A5 >= u": (
+        lambda t, u: lambda scan, rank, card: card[2] >= t and A5(scan, card) >= u,
+        SHARES,
+        [x / 100 for x in range(0, 101, 5)],
+    ),
 }
 
 
 Figures = tuple[float, float, dict[str, float]]
 
 
-def figures(scans: Sequence[Scan], feature: Feature, floor: float) -> Figures:
-    """Recall@5, false retrieval and recall@5 per category, keeping cards whose feature
-    reaches `floor` (walking the whole ranking, as `min_coverage` does)."""
+def floor(feature: Feature, value: float) -> Keep:
+    """Keep the cards whose feature reaches `value`."""
+    return lambda scan, rank, card: feature(scan, card) >= value
+
+
+def figures(scans: Sequence[Scan], keep: Keep) -> Figures:
+    """Recall@5, false retrieval and recall@5 per category, keeping the cards `keep` keeps
+    (walking the whole ranking, as `min_coverage` does)."""
     recall, false, per = [], [], defaultdict[str, list[float]](list)
     for scan in scans:
-        kept = {card[0] for card in scan.cards if feature(scan, card) >= floor}
-        top = [card[0] for card in scan.cards if card[0] in kept][:5]
+        wanted = 5 if scan.relevant else 1  # a scan without an answer needs one card to fail
+        top = []
+        for rank, card in enumerate(scan.cards):
+            if keep(scan, rank, card):
+                top.append(card[0])
+                if len(top) == wanted:
+                    break
         if scan.relevant:
             found = len(scan.relevant.intersection(top)) / len(scan.relevant)
             recall.append(found)
@@ -162,25 +246,92 @@ def figures(scans: Sequence[Scan], feature: Feature, floor: float) -> Figures:
     return sum(recall) / len(recall), sum(false) / max(1, len(false)), mean
 
 
+def kinds(scans: Sequence[Scan]) -> dict[str, float]:
+    """Paraphrase recall@5 at 0 per kind (the note's `kind:`; `unlabelled` without one)."""
+    found = defaultdict[str, list[float]](list)
+    for scan in scans:
+        if scan.category == "paraphrase" and scan.relevant:
+            kind = scan.note.removeprefix("kind: ").split()[0] if "kind:" in scan.note else ""
+            top = {card[0] for card in scan.cards[:5]}
+            found[kind or "unlabelled"].append(len(scan.relevant & top) / len(scan.relevant))
+    return {kind: sum(values) / len(values) for kind, values in sorted(found.items())}
+
+
+def confusion(scans: Sequence[Scan]) -> tuple[int, int]:
+    """Cross-workspace confusion at 0: the `workspace` scans whose first card is not a relevant
+    record, and how many `workspace` scans there are."""
+    named = [scan for scan in scans if scan.category == "workspace" and scan.relevant]
+    return sum(not scan.cards or scan.cards[0][0] not in scan.relevant for scan in named), len(
+        named
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+")
     parser.add_argument("--tactmem", default=str(ROOT), help="the directory of tactmem.py")
+    parser.add_argument("--only", help="one candidate (its code, such as B2), scored at --at")
+    parser.add_argument("--at", nargs="+", type=float, default=[], help="its t (and u)")
     arguments = parser.parse_args(argv)
+    if bool(arguments.only) != bool(arguments.at):
+        parser.error("--only and --at go together")
     sys.path.insert(0, arguments.tactmem)
     import tactmem
 
     scans = [scan for path in arguments.files for scan in replay(tactmem, path)]
-    base, _, per = figures(scans, CANDIDATES["A0 coverage"][0], 0.0)
+    base, _, per = figures(scans, floor(CANDIDATES["A0 coverage"][0], 0.0))
     print(f"{len(scans)} scans from {tactmem.__file__}; recall@5 at 0: {base:.3f}")
     print("  " + ", ".join(f"{name} {value:.3f}" for name, value in sorted(per.items())))
+    print("  paraphrase by kind: " + ", ".join(f"{k} {v:.3f}" for k, v in kinds(scans).items()))
+    wrong, named = confusion(scans)
+    print(f"  cross-workspace confusion: {wrong}/{named} = {wrong / max(1, named):.3f}")
+    if arguments.only:
+        return fixed(scans, arguments.only, arguments.at, per)
     for name, (feature, grid) in CANDIDATES.items():
         point = max(
-            (floor for floor in grid if ok(figures(scans, feature, floor), base, per)), default=0.0
+            (t for t in grid if ok(figures(scans, floor(feature, t)), base, per)), default=0.0
         )
-        recall, false, _ = figures(scans, feature, point)
-        print(f"{name:34} t={point:.2f} recall@5 {recall:.3f} false retrieval {false:.3f}")
+        recall, false, _ = figures(scans, floor(feature, point))
+        print(f"{name:38} t={point:.2f} recall@5 {recall:.3f} false retrieval {false:.3f}")
+    for name, (rule, grid, second) in RULES.items():
+        t, u = operating_point(scans, rule, grid, second, base, per)
+        recall, false, _ = figures(scans, rule(t, u))
+        print(f"{name:38} t={t:.2f} u={u:.2f} recall@5 {recall:.3f} false retrieval {false:.3f}")
     return 0
+
+
+def fixed(scans: Sequence[Scan], code: str, at: list[float], per: dict[str, float]) -> int:
+    """One candidate at a fixed point: recall@5, false retrieval, and each category's recall@5
+    against the ranking's at 0 (`per`)."""
+    if len(at) == 1 and (one := [c for n, (c, _) in CANDIDATES.items() if n.split()[0] == code]):
+        keep = floor(one[0], at[0])
+    elif len(at) == 2 and (two := [r for n, (r, *_) in RULES.items() if n.split()[0] == code]):
+        keep = two[0](at[0], at[1])
+    else:
+        raise SystemExit(f"no candidate {code} with {len(at)} parameters")
+    recall, false, mean = figures(scans, keep)
+    print(f"{code} at {' '.join(map(str, at))}: recall@5 {recall:.3f} false retrieval {false:.3f}")
+    print("  " + ", ".join(f"{k} {per[k]:.3f} -> {v:.3f}" for k, v in sorted(mean.items())))
+    return 0
+
+
+def operating_point(
+    scans: Sequence[Scan],
+    rule: Rule,
+    grid: list[float],
+    second: list[float],
+    base: float,
+    per: dict[str, float],
+) -> tuple[float, float]:
+    """Rule 1 for two parameters: of the grid points meeting rule 1's conditions, the one with
+    the lowest false retrieval; ties to the higher recall@5, then the larger t, then u."""
+    best: tuple[float, float, float, float] | None = None
+    for t in grid:
+        for u in second:
+            recall, false, _ = found = figures(scans, rule(t, u))
+            if ok(found, base, per) and (best is None or (-false, recall, t, u) > best):
+                best = (-false, recall, t, u)
+    return (0.0, 0.0) if best is None else (best[2], best[3])
 
 
 def ok(found: Figures, base: float, per: dict[str, float]) -> bool:
