@@ -1531,13 +1531,14 @@ def _utf8_length(text: str, what: str) -> int:
 _Derived = tuple[bool, dict[str, int]]
 
 
-def _digest(text: str) -> str:
-    """What `_Derived` is kept under: a BLAKE2b hash of the text."""
+def _digest(text: str | bytes) -> str:
+    """What `_Derived` is kept under: a BLAKE2b hash of the text (of its UTF-8, or the bytes)."""
     try:  # hashlib's own BLAKE2b, without the milliseconds hashlib takes to load OpenSSL
         from _blake2 import blake2b
     except ImportError:  # pragma: no cover - a Python built without it
         from hashlib import blake2b
-    return blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    return blake2b(data, digest_size=16).hexdigest()
 
 
 class _Corpus:
@@ -3058,7 +3059,7 @@ def _cache_header() -> bytes | None:
         with open(__file__, "rb") as source:
             if _source_stamp(source.fileno()) != _IMPORTED_SOURCE:
                 return None
-            build = _digest(source.read().decode("utf-8", "surrogateescape"))
+            build = _digest(source.read())  # as of its text, when the source is UTF-8
     except (OSError, TypeError, NameError):
         return None
     return json.dumps(["tactmem-cache", 1, build, unicodedata.unidata_version]).encode() + b"\n"
