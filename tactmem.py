@@ -100,6 +100,8 @@ _MAX_SQL_INT: Final = 2**63 - 1
 _BM25_K1: Final = 1.2
 _BM25_B: Final = 0.75
 _CACHED_TERMS: Final = 8192  # queried terms whose weights are kept (all dropped beyond)
+_PRUNE_POSTINGS: Final = 4096  # a rank touching fewer adds every posting up (`_Corpus._top`)
+_PRUNE_SHARE: Final = 16  # and one asking for more than this share of the documents does too
 _Sort = Literal["useful", "newest", "oldest", "least"]
 
 # Unicode White_Space, which Rust's `trim` and `split_whitespace` use. Python's `str.split()`
@@ -1541,6 +1543,9 @@ def _digest(text: str | bytes) -> str:
     return blake2b(data, digest_size=16).hexdigest()
 
 
+_Bound = tuple[float, dict[int, float]]
+
+
 class _Corpus:
     """Token statistics of a set of documents, brought up to date one changed row at a time.
 
@@ -1567,6 +1572,7 @@ class _Corpus:
         self._positions: dict[int, int] = {}
         self._norms: list[float] = []
         self._weights: dict[str, tuple[list[int], list[float], float]] = {}  # and the idf
+        self._bounds: dict[str, _Bound] = {}  # the top weight, weights by position
         self._stems: dict[int, frozenset[str]] = {}  # each term's `_stem`, once asked for
         self.digests: dict[int, str] = {}  # only where `update` was given `known`
         self.unconfirmed: set[int] = set()
@@ -1661,14 +1667,61 @@ class _Corpus:
                 _BM25_K1 * ((1 - _BM25_B) + _BM25_B * (length / average if average else 0.0))
                 for length in map(self.lengths.__getitem__, self._ids)
             ]
-            self._weights = {}
+            self._weights, self._bounds = {}, {}
+        found = [self._term(term) for term in terms]
+        postings = sum(len(positions) for positions, *_ in found)
+        if postings >= _PRUNE_POSTINGS and limit * _PRUNE_SHARE <= len(self._ids):
+            return self._top(terms, found, limit)
         scores = [0.0] * len(self._ids)
-        for term in terms:
-            positions, weights, _ = self._term(term)
+        for positions, weights, _ in found:
             for position, weight in zip(positions, weights, strict=True):
                 scores[position] += weight
         best = heapq.nlargest(limit, range(len(scores)), key=scores.__getitem__)  # stable
         return [(self._ids[position], scores[position]) for position in best if scores[position]]
+
+    def _top(
+        self, terms: Sequence[str], found: list[tuple[list[int], list[float], float]], limit: int
+    ) -> list[tuple[int, float]]:
+        """`rank`'s answer from the documents that can still reach the top `limit` (MaxScore):
+        terms go by top weight, highest first; once the `limit`-th best partial score beats all
+        the terms left can add, no unseen document can enter, those terms are only looked up,
+        and a document whose partial score plus that falls short is dropped. The few left are
+        summed again from 0.0 in term order, as `rank` does (adding 0.0 changes no bit); bounds
+        keep a margin a million times any rounding, so rounding never drops one of the top."""
+        bounds = [self._bound(term, *f[:2]) for term, f in zip(terms, found, strict=True)]
+        order = sorted(range(len(terms)), key=lambda i: -bounds[i][0])
+        rest = [*reversed([*itertools.accumulate(bounds[i][0] for i in reversed(order))]), 0.0]
+        margin, scores, closed = rest[0] * 1e-9, dict[int, float](), False
+        for step, i in enumerate(order):
+            if not closed and rest[0] - rest[step] > rest[step]:  # else none can beat the rest
+                floor = self._kth(scores, limit) - margin
+                closed = floor > rest[step]
+            if not closed:
+                for position, weight in zip(*found[i][:2], strict=True):
+                    scores[position] = scores.get(position, 0.0) + weight
+                continue
+            lookup, cut = bounds[i][1], floor - rest[step]
+            scores = {p: s + lookup.get(p, 0.0) for p, s in scores.items() if s >= cut}
+            floor = self._kth(scores, limit) - margin  # a partial score only grows
+        floor = self._kth(scores, limit) - margin
+        lookups, kept = [b[1] for b in bounds], [p for p, s in scores.items() if s >= floor]
+        exact = {
+            p: functools.reduce(float.__add__, [d.get(p, 0.0) for d in lookups], 0.0) for p in kept
+        }
+        best = sorted(exact, key=lambda position: (-exact[position], position))[:limit]
+        return [(self._ids[position], exact[position]) for position in best if exact[position]]
+
+    @staticmethod
+    def _kth(scores: dict[int, float], k: int) -> float:
+        """The `k`-th highest score, 0.0 while there are fewer."""
+        return heapq.nlargest(k, scores.values())[-1] if len(scores) >= k else 0.0
+
+    def _bound(self, term: str, positions: list[int], weights: list[float]) -> _Bound:
+        """A term's top weight, and its weights by position: cached beside its weights."""
+        if term not in self._bounds:
+            top = max(weights, default=0.0)
+            self._bounds[term] = top, dict(zip(positions, weights, strict=True))
+        return self._bounds[term]
 
     def _term(self, term: str) -> tuple[list[int], list[float], float]:
         """A term's positions, BM25 weights and idf: cached, or worked out now."""
@@ -1676,7 +1729,7 @@ class _Corpus:
 
     def _term_weights(self, term: str) -> tuple[list[int], list[float], float]:
         if len(self._weights) >= _CACHED_TERMS:  # terms no document has add up
-            self._weights.clear()
+            self._weights, self._bounds = {}, {}
         posting = self.postings.get(term, {})
         n, df = len(self._ids), len(posting)
         idf = math.log(1 + (n - df + 0.5) / (df + 0.5))

@@ -716,6 +716,42 @@ def test_rank_equals_a_full_recomputation_to_the_bit(
                 assert corpus.rank(terms, room) == full_bm25(terms, visible, room)
 
 
+_PRUNED_WORDS = ("rust", "sqlite", "http", "common", "x", "the")
+_PRUNED_DOC = st.lists(st.sampled_from(_PRUNED_WORDS), max_size=5)
+
+
+@given(
+    docs=st.dictionaries(
+        st.integers(min_value=1, max_value=60),
+        st.one_of(_PRUNED_DOC.map(" ".join), st.sampled_from(["rust sqlite", "x x"]), _ODD_ROW),
+    ),
+    words=st.lists(st.sampled_from((*_PRUNED_WORDS, "nowhere", "absent")), min_size=1, max_size=8),
+    limit=st.integers(min_value=1, max_value=5),
+)
+@example(docs={n: "rust" for n in range(1, 9)} | {9: "sqlite", 10: "x"}, words=["x"], limit=1)
+@example(
+    docs={1: "rust rust", 2: "x rust", 3: "x", 4: "sqlite x", 5: "x x x", 6: "the"},
+    words=["rust", "x", "x", "nowhere"],
+    limit=2,
+)  # a repeated term, one no document holds, and ties
+def test_a_pruned_rank_equals_a_naive_full_one(
+    docs: dict[int, object], words: list[str], limit: int
+) -> None:
+    """With pruning on for every rank (no postings or share floor), a rank at limits 1 to 5
+    answers as `full_bm25` does over every visible row: the same documents, the same floats
+    to the bit, ties by id, zero scores left out; terms may repeat or be held by no
+    document, rows may be hidden or not text, and many scores are equal."""
+    corpus = tactmem._Corpus()
+    corpus.update([(doc_id, 1, content) for doc_id, content in docs.items()])
+    visible = [(doc_id, text) for doc_id, text in docs.items() if isinstance(text, str)]
+    terms = sorted(token for word in words for token in tokenize(word))
+    with (
+        unittest.mock.patch.object(tactmem, "_PRUNE_POSTINGS", 0),
+        unittest.mock.patch.object(tactmem, "_PRUNE_SHARE", 0),
+    ):
+        assert corpus.rank(terms, limit) == full_bm25(terms, visible, limit)
+
+
 # ============================================================ store rules
 
 
