@@ -1543,9 +1543,6 @@ def _digest(text: str | bytes) -> str:
     return blake2b(data, digest_size=16).hexdigest()
 
 
-_Bound = tuple[float, dict[int, float]]
-
-
 class _Corpus:
     """Token statistics of a set of documents, brought up to date one changed row at a time.
 
@@ -1572,7 +1569,7 @@ class _Corpus:
         self._positions: dict[int, int] = {}
         self._norms: list[float] = []
         self._weights: dict[str, tuple[list[int], list[float], float]] = {}  # and the idf
-        self._bounds: dict[str, _Bound] = {}  # the top weight, weights by position
+        self._bounds: dict[str, tuple[float, dict[int, float]]] = {}  # top weight, by position
         self._stems: dict[int, frozenset[str]] = {}  # each term's `_stem`, once asked for
         self.digests: dict[int, str] = {}  # only where `update` was given `known`
         self.unconfirmed: set[int] = set()
@@ -1716,7 +1713,9 @@ class _Corpus:
         """The `k`-th highest score, 0.0 while there are fewer."""
         return heapq.nlargest(k, scores.values())[-1] if len(scores) >= k else 0.0
 
-    def _bound(self, term: str, positions: list[int], weights: list[float]) -> _Bound:
+    def _bound(
+        self, term: str, positions: list[int], weights: list[float]
+    ) -> tuple[float, dict[int, float]]:
         """A term's top weight, and its weights by position: cached beside its weights."""
         if term not in self._bounds:
             top = max(weights, default=0.0)
