@@ -272,6 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tactmem", default=str(ROOT), help="the directory of tactmem.py")
     parser.add_argument("--only", help="one candidate (its code, such as B2), scored at --at")
     parser.add_argument("--at", nargs="+", type=float, default=[], help="its t (and u)")
+    parser.add_argument(
+        "--ranking", action="store_true", help="the ranking's figures and A0's point only"
+    )
     arguments = parser.parse_args(argv)
     if bool(arguments.only) != bool(arguments.at):
         parser.error("--only and --at go together")
@@ -288,12 +291,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments.only:
         return fixed(scans, arguments.only, arguments.at, per)
     for name, (feature, grid) in CANDIDATES.items():
+        if arguments.ranking and not name.startswith("A0 "):
+            continue
         point = max(
             (t for t in grid if ok(figures(scans, floor(feature, t)), base, per)), default=0.0
         )
         recall, false, _ = figures(scans, floor(feature, point))
         print(f"{name:38} t={point:.2f} recall@5 {recall:.3f} false retrieval {false:.3f}")
-    for name, (rule, grid, second) in RULES.items():
+    for name, (rule, grid, second) in {} if arguments.ranking else RULES.items():
         t, u = operating_point(scans, rule, grid, second, base, per)
         recall, false, _ = figures(scans, rule(t, u))
         print(f"{name:38} t={t:.2f} u={u:.2f} recall@5 {recall:.3f} false retrieval {false:.3f}")
