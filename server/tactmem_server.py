@@ -834,6 +834,12 @@ def _marks(count: int) -> str:
     return ", ".join("?" * count)
 
 
+def _changes(namespaces: Sequence[str]) -> _Statement:
+    """The statement that moves these namespaces' change counters (`_BUMP`)."""
+    marks = _marks(len(namespaces))
+    return f"UPDATE memory_namespaces SET {_BUMP} WHERE namespace IN ({marks})", namespaces
+
+
 def _namespaced(row: Sequence[Any]) -> tuple[str, Record]:
     return row[0], Record.from_row(row[1:])
 
@@ -1186,11 +1192,7 @@ class TeamStore:
     def _changed(tx: _Tx, namespaces: Iterable[str]) -> None:
         """Move the change counters of these namespaces, locked already (`_BUMP`)."""
         names = sorted(set(namespaces))
-        if names:
-            tx.run(
-                f"UPDATE memory_namespaces SET {_BUMP} WHERE namespace IN ({_marks(len(names))})",
-                names,
-            )
+        tx.batch([_changes(names)] if names else [])
 
     # -------------------------------------------------------------------- operations
 
@@ -1350,24 +1352,14 @@ class TeamStore:
             plan = plan_put(put, state)
             new = plan.record
             values = attrs.astuple(new, recurse=False)[2:]  # times, then telemetry
-            write: _Statement
-            bump: _Statement = (
-                f"UPDATE memory_namespaces SET {_BUMP} WHERE namespace = ?",
-                [namespace],
-            )
             if plan.insert:
-                write = (
-                    _INSERT,
-                    [namespace, new.key.id, new.key.version, new.content, put.identity, *values],
-                )
-                bump = (
-                    f"UPDATE memory_namespaces SET next_id = ?, {_BUMP} WHERE namespace = ?",
-                    [new.key.id + 1, namespace],
-                )
+                row = [namespace, new.key.id, new.key.version, new.content, put.identity, *values]
+                next_id = "UPDATE memory_namespaces SET next_id = ? WHERE namespace = ?"
+                writes = [(_INSERT, row), (next_id, [new.key.id + 1, namespace])]
             else:
                 fields = [new.key.version, new.content, put.identity, *values]
-                write = _UPDATE, [*fields, namespace, new.key.id]
-            tx.batch([write, bump])
+                writes = [(_UPDATE, [*fields, namespace, new.key.id])]
+            tx.batch([*writes, _changes([namespace])])
             return wire_record(namespace, new)
 
         result: dict[str, Any] = self._run(deadline, operation)
