@@ -119,6 +119,8 @@ _WORD_CLASS: Final = (
 )
 _WORD_RUN: Final = re.compile(f"[{_WORD_CLASS}]+")
 _WORD_CHAR: Final = re.compile(f"[{_WORD_CLASS}]")
+# Runs joined by single `-`, `.` or `/` (`windrose-sdk`, `config/app.yaml`): one more token each.
+_COMPOUND: Final = re.compile(f"(?<![{_WORD_CLASS}])[{_WORD_CLASS}]+(?:[-./][{_WORD_CLASS}]+)+")
 # ASCII separators to spaces: an ASCII text's runs are then `text.translate(...).split()`.
 _ASCII_SEPARATORS: Final = {i: " " for i in range(128) if not re.match(r"\w", chr(i))}
 # Characters that end a run unless they are combining marks, which continue one.
@@ -923,8 +925,9 @@ def _run_tokens(run: str) -> tuple[str, ...]:
 
 
 def tokenize(text: str) -> list[str]:
-    """Split text into lowercase search terms, the reference's way (docs/behaviour.md)."""
-    return list(itertools.chain.from_iterable(map(_run_tokens, _word_runs(text))))
+    """Lowercase search terms: the reference's (docs/behaviour.md), then each compound whole."""
+    runs = itertools.chain.from_iterable(map(_run_tokens, _word_runs(text)))
+    return [*runs, *map(str.lower, _COMPOUND.findall(text))]
 
 
 # Words that carry a query's grammar, not its subject: coverage leaves them out.
@@ -3926,7 +3929,9 @@ def _switch_memory(path: str, enabled: bool) -> bool:
 
 def _git_common_dir(path: str) -> str | None:
     """The shared `.git` directory of the repository or linked worktree holding `path`."""
-    for directory in (path, *_parents(path)):
+    from pathlib import PurePath  # only a remote configuration with a workspace check pays
+
+    for directory in (path, *map(str, PurePath(path).parents)):
         dot_git = os.path.join(directory, ".git")
         if os.path.isdir(dot_git) and not os.path.islink(dot_git):
             return os.path.realpath(dot_git)
@@ -3943,12 +3948,6 @@ def _git_common_dir(path: str) -> str | None:
         except (OSError, UnicodeDecodeError, ValueError):
             return None
     return None
-
-
-def _parents(path: str) -> Iterator[str]:
-    while (parent := os.path.dirname(path)) != path:
-        yield parent
-        path = parent
 
 
 def _in_workspace(remote: RemoteConfig, workspace: str) -> bool:

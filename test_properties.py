@@ -205,6 +205,31 @@ def reference_ascii_tokens(text: str) -> list[str]:
     return tokens
 
 
+def compounds_char_by_char(text: str) -> list[str]:
+    """SPEC §2.2's compounds (issue 28's T2), one character at a time: maximal chains of two or
+    more runs of word characters, each joined to the next by exactly one `-`, `.` or `/`."""
+    chains: list[str] = []
+    start = end = -1  # the chain being read: text[start:end]
+    runs = 0
+    index = 0
+    while index < len(text):
+        if not tactmem._WORD_CHAR.match(text[index]):
+            index += 1
+            continue
+        run_start = index
+        while index < len(text) and tactmem._WORD_CHAR.match(text[index]):
+            index += 1
+        if runs and run_start == end + 1 and text[end] in "-./":
+            runs, end = runs + 1, index
+        else:
+            if runs >= 2:
+                chains.append(text[start:end].lower())
+            runs, start, end = 1, run_start, index
+    if runs >= 2:
+        chains.append(text[start:end].lower())
+    return chains
+
+
 @given(text=any_text)
 def test_tokenize_is_deterministic_and_yields_no_empty_or_spaced_token(text: str) -> None:
     """Same text, same tokens; no token is empty or holds whitespace."""
@@ -217,8 +242,10 @@ def test_tokenize_is_deterministic_and_yields_no_empty_or_spaced_token(text: str
 
 @given(first=any_text, second=any_text)
 def test_tokenize_works_run_by_run(first: str, second: str) -> None:
-    """Tokens come from each whitespace-separated run alone (de-dup is per run, not per text)."""
-    assert tokenize(first + " " + second) == tokenize(first) + tokenize(second)
+    """Tokens come from each whitespace-separated run alone (de-dup is per run, not per text).
+    As a multiset: the compounds of both parts follow the reference tokens of both."""
+    joined = tokenize(first + " " + second)
+    assert sorted(joined) == sorted(tokenize(first) + tokenize(second))
 
 
 def _runs_char_by_char(text: str) -> list[str]:
@@ -266,10 +293,26 @@ def test_word_runs_take_their_fast_paths_only_where_they_agree(text: str) -> Non
 @example(text="foo.bar@baz 3.14 x86_64 Don't read-only")
 def test_tokenize_matches_the_reference_on_ascii(text: str) -> None:
     """On ASCII text tokenize() is exactly the reference tokenizer (SPEC §2.2: the CJK and
-    combining-mark additions cannot fire), so every token is lowercase [a-z0-9_]."""
+    combining-mark additions cannot fire), so every such token is lowercase [a-z0-9_]; then
+    come the compounds, each lowercase runs joined by `-`, `.` or `/`."""
+    reference = reference_ascii_tokens(text)
     tokens = tokenize(text)
-    assert tokens == reference_ascii_tokens(text)
-    assert all(token == token.lower() and re.fullmatch(r"[a-z0-9_]+", token) for token in tokens)
+    assert tokens == reference + compounds_char_by_char(text)
+    assert all(re.fullmatch(r"[a-z0-9_]+", token) for token in reference)
+    compounds = tokens[len(reference) :]
+    assert all(re.fullmatch(r"[a-z0-9_]+(?:[-./][a-z0-9_]+)+", token) for token in compounds)
+
+
+@given(text=_run_text)
+@example(text="a.b..c-d x--y /p/q/ 3.14.")
+@example(text="config/brambleway.yaml, windrose-sdk.")
+def test_compounds_are_the_chains_of_runs_joined_by_one_separator(text: str) -> None:
+    """Whatever the script: tokenize() ends with exactly the chains the character-by-character
+    reading finds, and nothing before them is a chain."""
+    chains = compounds_char_by_char(text)
+    tokens = tokenize(text)
+    assert tokens[len(tokens) - len(chains) :] == chains
+    assert not any(set(token) & set("-./") for token in tokens[: len(tokens) - len(chains)])
 
 
 @given(text=_ascii_text)

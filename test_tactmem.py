@@ -153,14 +153,24 @@ TOKEN_EXAMPLES = {
 }
 
 
+# tactmem's one addition on these texts (SPEC §2.2, issue 28's T2): after the reference's
+# tokens, each chain of runs joined by single `-`, `.` or `/`, whole.
+COMPOUND_EXAMPLES = {
+    "src/core/httpServer.rs parse_request": "src/core/httpserver.rs",
+    "Don't read-only naïve café ÉCOLE": "read-only",
+    "foo.bar@baz 3.14 x86_64": "foo.bar 3.14",
+}
+
+
 @pytest.mark.parametrize(("text", "expected"), TOKEN_EXAMPLES.items())
 def test_tokenize_reference_examples(text: str, expected: str) -> None:
-    assert tokenize(text) == expected.split()
+    assert tokenize(text) == expected.split() + COMPOUND_EXAMPLES.get(text, "").split()
 
 
 def test_ref19_tokenize_path_and_identifier() -> None:
     assert tokenize("src/core/httpServer.rs parse_request") == [
         "src", "core", "httpserver", "http", "server", "rs", "parse_request", "parse", "request",
+        "src/core/httpserver.rs",  # the compound, after the reference's tokens (SPEC §2.2)
     ]  # fmt: skip
 
 
