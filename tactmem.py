@@ -120,7 +120,7 @@ _WORD_CLASS: Final = (
 _WORD_RUN: Final = re.compile(f"[{_WORD_CLASS}]+")
 _WORD_CHAR: Final = re.compile(f"[{_WORD_CLASS}]")
 # Runs joined by single `-`, `.` or `/` (`windrose-sdk`, `config/app.yaml`): one more token each.
-_COMPOUND: Final = re.compile(f"(?<![{_WORD_CLASS}])[{_WORD_CLASS}]+(?:[-./][{_WORD_CLASS}]+)+")
+_COMPOUND: Final = re.compile(f"(?<![{_WORD_CLASS}])[{_WORD_CLASS}]++(?:[-./][{_WORD_CLASS}]++)+")
 # ASCII separators to spaces: an ASCII text's runs are then `text.translate(...).split()`.
 _ASCII_SEPARATORS: Final = {i: " " for i in range(128) if not re.match(r"\w", chr(i))}
 # Characters that end a run unless they are combining marks, which continue one.
