@@ -7735,7 +7735,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         extra = message.removeprefix("unrecognized arguments: ")
-        hint = _closest_option(extra) if extra != message else ""
+        hint = _closest_option(extra) if extra != message else _closest_choice(message)
         for pattern, wording in _USAGE_WORDING:
             message = re.sub(f"(?s)^{pattern}$", wording, message)
         raise _UsageError(message + hint)
@@ -7753,6 +7753,18 @@ def _closest_option(words: str) -> str:
         if close and close[0] != typed:  # not the typed option, another command's own
             return f"; did you mean {close[0]}?"
     return ""
+
+
+def _closest_choice(message: str) -> str:
+    """A hint naming the choice closest to a mistyped command or value (`scna`: `scan`)."""
+    import difflib
+
+    found = re.fullmatch(r"(?s)argument [^:]+: invalid choice: (.*) \(choose from (.*)\)", message)
+    if found is None:
+        return ""
+    typed, choices = found[1].strip("'\""), re.findall(r"'([^']*)'", found[2])
+    close = difflib.get_close_matches(typed, choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 _TYPED_NUMBER: Final = "[0-9]{1,19}"  # a plain decimal number (not `٣`, not `1_0`)

@@ -8423,6 +8423,27 @@ def test_a_mistyped_option_is_answered_with_the_closest_known_one(
     assert not db.exists()
 
 
+def test_a_mistyped_command_or_choice_is_answered_with_the_closest_one(
+    db: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`scna` suggests `scan`, `newst` suggests `newest`; the typed word is never shown, and a
+    word like no choice gets no guess."""
+    commands = ", ".join(f"'{name}'" for name in tactmem._COMMANDS)
+    for argv, takes, hint in (
+        (["scna", "deploys"], f"COMMAND takes one of {commands}", "; did you mean scan?"),
+        (["hunter22zorblax"], f"COMMAND takes one of {commands}", ""),
+        (["list", "--sort", "newst"], "--sort takes one of 'useful', 'newest', 'oldest', 'least'",
+         "; did you mean newest?"),
+        (["list", "--sort", "hunter22zorblax"],
+         "--sort takes one of 'useful', 'newest', 'oldest', 'least'", ""),
+    ):  # fmt: skip
+        status, out, err = run_cli(capsys, "--db", str(db), *argv)
+        wording = f"tactmem: usage: argument {takes}{hint} (see tactmem --help)"
+        assert (status, out, err) == (2, "", wording + "\n")
+        assert all(typed not in err for typed in ("scna", "deploys", "hunter22", "newst"))
+    assert not db.exists()
+
+
 def test_a_usage_error_under_json_prints_the_error_object_on_stdout(
     db: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
