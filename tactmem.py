@@ -7755,6 +7755,13 @@ def _closest_option(words: str) -> str:
     return ""
 
 
+def _asks_for_json(words: Sequence[str]) -> bool:
+    """Whether a command line that failed to parse has `--json`, or an abbreviation of it
+    (`--js`, which argparse takes too), before any `--`."""
+    options = itertools.takewhile(lambda word: word != "--", words)
+    return any(len(word) > 2 and "--json".startswith(word) for word in options)
+
+
 def _closest_choice(message: str) -> str:
     """A hint naming the choice closest to a mistyped command or value (`scna`: `scan`)."""
     import difflib
@@ -8348,7 +8355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except _UsageError as error:
-        if "--json" in words:  # scripts read the error where they read answers
+        if _asks_for_json(words):  # scripts read the error where they read answers
             print(_json({"error": {"code": "usage", "message": str(error)}}))
         print(f"tactmem: usage: {error} (see tactmem --help)", file=sys.stderr)
         return 2

@@ -8456,6 +8456,11 @@ def test_a_usage_error_under_json_prints_the_error_object_on_stdout(
         }
         assert err == f"tactmem: usage: {answer['error']['message']} (see tactmem --help)\n"
         assert "hunter22" not in out + err and "lisst" not in out + err
+    for json_flag in ("--js", "--j"):  # argparse takes an abbreviation: so does the error
+        status, out, _ = run_cli(capsys, "--db", str(db), json_flag, "lisst")
+        assert status == 2 and json.loads(out)["error"]["code"] == "usage"
+    status, out, _ = run_cli(capsys, "--db", str(db), "lisst", "--", "--json")
+    assert (status, out) == (2, "")  # after `--` it is a word, not an option
 
 
 @pytest.mark.slow
