@@ -8257,8 +8257,10 @@ def _switch_command(arguments: argparse.Namespace) -> int:
     try:
         changed = _switch_memory(path, enabled)
     except ConfigError as error:
-        add = "enabled = true" if enabled else "enabled = false"
-        raise ConfigError(f"{error}; it was left as it is: put {add!r} under [memory]") from None
+        value = "true" if enabled else "false"  # `memory.enabled`: the key in any TOML form
+        raise ConfigError(
+            f"{error}; it was left as it is: set memory.enabled = {value} yourself"
+        ) from None
     except OSError as error:
         raise ConfigError(f"could not write the config file {path}: {error.strerror}") from None
     state = ("" if changed else "was already ") + ("enabled" if enabled else "disabled")

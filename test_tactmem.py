@@ -8035,7 +8035,7 @@ def test_enable_leaves_a_config_it_cannot_edit_safely_and_says_what_to_add(
     status, out, err = run_cli(capsys, "--config", str(config), "enable")
     assert (status, out, config.read_bytes()) == (1, "", before)
     assert reason in err and err.endswith(
-        "; it was left as it is: put 'enabled = true' under [memory]\n"
+        "; it was left as it is: set memory.enabled = true yourself\n"
     )
     assert err.count("\n") == 1 and sorted(os.listdir(tmp_path)) == ["config.toml"]
 
