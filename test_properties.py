@@ -242,10 +242,14 @@ def test_tokenize_is_deterministic_and_yields_no_empty_or_spaced_token(text: str
 
 @given(first=any_text, second=any_text)
 def test_tokenize_works_run_by_run(first: str, second: str) -> None:
-    """Tokens come from each whitespace-separated run alone (de-dup is per run, not per text).
-    As a multiset: the compounds of both parts follow the reference tokens of both."""
-    joined = tokenize(first + " " + second)
-    assert sorted(joined) == sorted(tokenize(first) + tokenize(second))
+    """Tokens come from each whitespace-separated run alone (de-dup is per run, not per text):
+    the reference tokens of both parts in order, then the compounds of both."""
+    parts = [tokenize(first), tokenize(second)]
+    chains = [compounds_char_by_char(first), compounds_char_by_char(second)]
+    reference = [
+        tokens[: len(tokens) - len(found)] for tokens, found in zip(parts, chains, strict=True)
+    ]
+    assert tokenize(first + " " + second) == [*reference[0], *reference[1], *chains[0], *chains[1]]
 
 
 def _runs_char_by_char(text: str) -> list[str]:
@@ -267,9 +271,10 @@ def _runs_char_by_char(text: str) -> list[str]:
 _run_text = st.one_of(
     any_text,
     _ascii_text,
-    # Devanagari vowel signs (Mn, Mc), a lone acute, CJK and its punctuation, circled letters.
+    # Devanagari vowel signs (Mn, Mc), a lone acute, CJK and its punctuation, circled letters,
+    # the compounds' joiners, and letters whose lowercase is context- or fold-sensitive.
     st.text(
-        alphabet=st.sampled_from("ak_9 .:\t\u0915\u093f\u0937\u0301数据\uff1a。\u24b6\u3000é"),
+        alphabet=st.sampled_from("ak_9 .-/:\t\u0915\u093f\u0937\u0301数据\uff1a。\u24b6\u3000éßΣ"),
         max_size=30,
     ),
 )
@@ -306,6 +311,8 @@ def test_tokenize_matches_the_reference_on_ascii(text: str) -> None:
 @given(text=_run_text)
 @example(text="a.b..c-d x--y /p/q/ 3.14.")
 @example(text="config/brambleway.yaml, windrose-sdk.")
+@example(text="a-b c-d a-b")  # each occurrence counts, as a word's does
+@example(text="Straße-X x-y\u0301z")  # lowercase, not casefold; a mark ends a compound
 def test_compounds_are_the_chains_of_runs_joined_by_one_separator(text: str) -> None:
     """Whatever the script: tokenize() ends with exactly the chains the character-by-character
     reading finds, and nothing before them is a chain."""

@@ -162,6 +162,15 @@ COMPOUND_EXAMPLES = {
 }
 
 
+def test_compounds_in_other_scripts_and_next_to_a_combining_mark() -> None:
+    """Compounds join runs of any script; they are made of word characters, so a combining
+    mark ends one and one can start after it (records and queries are cut alike)."""
+    assert tokenize("sdk/数据库连接")[-1] == "sdk/数据库连接"
+    assert tokenize("école-Ⅻ Straße-Ⓐⓑ")[-2:] == ["école-ⅻ", "straße-ⓐⓑ"]
+    assert tokenize("x-y\u0301z")[-1] == "x-y"
+    assert tokenize("\u0915\u094d\u0937-sdk")[-1] == "\u0937-sdk"  # क्ष: after the virama
+
+
 @pytest.mark.parametrize(("text", "expected"), TOKEN_EXAMPLES.items())
 def test_tokenize_reference_examples(text: str, expected: str) -> None:
     assert tokenize(text) == expected.split() + COMPOUND_EXAMPLES.get(text, "").split()
