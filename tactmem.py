@@ -1654,8 +1654,8 @@ class _Corpus:
     def rank(self, terms: Sequence[str], limit: int) -> list[tuple[int, float]]:
         """BM25 (k1 1.2, b 0.75, idf ln(1 + (N - df + .5)/(df + .5))), best first, ties by id.
 
-        Terms must be sorted: each document's score is summed in term order, so the floats
-        are bit-identical to the reference's.
+        Terms must be sorted: each document's score is summed in term order, so for the same
+        tokens the floats are bit-identical to the reference's.
         """
         if limit <= 0 or not self.counts or not terms:
             return []
