@@ -926,8 +926,8 @@ def _run_tokens(run: str) -> tuple[str, ...]:
 
 def tokenize(text: str) -> list[str]:
     """Lowercase search terms: the reference's (docs/behaviour.md), then each compound whole."""
-    runs = itertools.chain.from_iterable(map(_run_tokens, _word_runs(text)))
-    return [*runs, *map(str.lower, _COMPOUND.findall(text))]
+    reference = itertools.chain.from_iterable(map(_run_tokens, _word_runs(text)))
+    return [*reference, *map(str.lower, _COMPOUND.findall(text))]
 
 
 # Words that carry a query's grammar, not its subject: coverage leaves them out.
@@ -7744,15 +7744,21 @@ class _Parser(argparse.ArgumentParser):
 def _closest_option(words: str) -> str:
     """A hint naming the known option closest to a mistyped one (option names are not user
     data; what was typed is still never shown)."""
-    import difflib
-
     known = ["--db", "--config", "--json", "--help", "--version"]
     known += [flag for options in _ARGUMENTS.values() for flags, _ in options for flag in flags]
     for typed in (word.partition("=")[0] for word in words.split() if word.startswith("--")):
-        close = difflib.get_close_matches(typed, known, n=1, cutoff=0.6)
-        if close and close[0] != typed:  # not the typed option, another command's own
-            return f"; did you mean {close[0]}?"
+        hint = _did_you_mean(typed, known)
+        if hint and typed not in known:  # not the typed option, another command's own
+            return hint
     return ""
+
+
+def _did_you_mean(typed: str, known: Sequence[str]) -> str:
+    """`; did you mean X?` for the known name closest to what was typed, or nothing."""
+    import difflib
+
+    close = difflib.get_close_matches(typed, known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def _asks_for_json(words: Sequence[str]) -> bool:
@@ -7764,14 +7770,10 @@ def _asks_for_json(words: Sequence[str]) -> bool:
 
 def _closest_choice(message: str) -> str:
     """A hint naming the choice closest to a mistyped command or value (`scna`: `scan`)."""
-    import difflib
-
     found = re.fullmatch(r"(?s)argument [^:]+: invalid choice: (.*) \(choose from (.*)\)", message)
     if found is None:
         return ""
-    typed, choices = found[1].strip("'\""), re.findall(r"'([^']*)'", found[2])
-    close = difflib.get_close_matches(typed, choices, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]}?" if close else ""
+    return _did_you_mean(found[1].strip("'\""), re.findall(r"'([^']*)'", found[2]))
 
 
 _TYPED_NUMBER: Final = "[0-9]{1,19}"  # a plain decimal number (not `٣`, not `1_0`)
