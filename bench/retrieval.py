@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 
 
-Card = tuple[int, float, float, frozenset[str], frozenset[str]]
+Card = tuple[int, float, float, frozenset[str], frozenset[str], frozenset[str]]
 
 
 class Scan(NamedTuple):
@@ -41,7 +41,8 @@ class Scan(NamedTuple):
     subject: list[str]  # the query's terms but its function words (all of them if none is left)
     idf: dict[str, float]
     df: dict[str, int]
-    cards: list[Card]  # id, score, coverage, matched terms, subject terms held (stems included)
+    cards: list[Card]  # id, score, coverage, matched terms, subject terms held (stems included),
+    # and the stems of every term the card holds
 
 
 def replay(tactmem: Any, path: str) -> list[Scan]:
@@ -99,6 +100,7 @@ def scored(
             coverage(doc),
             frozenset(t for t in terms if t in corpus.counts[doc]),
             held(core, subject, corpus.counts[doc]),
+            frozenset(map(core.stem, corpus.counts[doc])),
         )
         for doc, score in ranked
         if coverage is not None
@@ -160,6 +162,27 @@ def missing(known: float, unknown: float) -> Feature:
             else:
                 lack_unknown += weight
         total = have + known * lack_known + unknown * lack_unknown
+        return have / total if total else 0.0
+
+    return feature
+
+
+def lexicon(stem: Callable[[str], str], path: str) -> Feature:
+    """A0 where a card also holds a subject term when it holds (as itself or by `stem`) a word
+    of a lexicon group holding a word with the term's stem (one group a line, words by spaces)."""
+    related = defaultdict[str, set[str]](set)
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        stems = {stem(word) for word in line.split()}
+        for one in stems:
+            related[one] |= stems
+
+    def feature(scan: Scan, card: Card) -> float:
+        have = total = 0.0
+        for term in scan.subject:
+            weight = root_idf(scan, term)
+            total += weight
+            if term in card[4] or not related[stem(term)].isdisjoint(card[5]):
+                have += weight
         return have / total if total else 0.0
 
     return feature
@@ -275,12 +298,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--ranking", action="store_true", help="the ranking's figures and A0's point only"
     )
+    parser.add_argument("--lexicon", help="A10's lexicon (bench/candidates/lexicon.txt)")
     arguments = parser.parse_args(argv)
     if bool(arguments.only) != bool(arguments.at):
         parser.error("--only and --at go together")
     sys.path.insert(0, arguments.tactmem)
     import tactmem
 
+    if arguments.lexicon:
+        CANDIDATES["A10 coverage with a lexicon"] = (
+            lexicon(tactmem.core.stem, arguments.lexicon),
+            SHARES,
+        )
     scans = [scan for path in arguments.files for scan in replay(tactmem, path)]
     base, _, per = figures(scans, floor(CANDIDATES["A0 coverage"][0], 0.0))
     print(f"{len(scans)} scans from {tactmem.__file__}; recall@5 at 0: {base:.3f}")
