@@ -1668,7 +1668,7 @@ class _Corpus:
                 for length in map(self.lengths.__getitem__, self._ids)
             ]
             self._weights, self._bounds = {}, {}
-        found = [self._term(term) for term in terms]
+        found = [self._weights.get(term) or self._term_weights(term) for term in terms]
         postings = sum(len(positions) for positions, *_ in found)
         if postings >= _PRUNE_POSTINGS and limit * _PRUNE_SHARE <= len(self._ids):
             return self._top(terms, found, limit)
@@ -1725,16 +1725,11 @@ class _Corpus:
             self._bounds[term] = top, dict(zip(positions, weights, strict=True))
         return self._bounds[term]
 
-    def _term(self, term: str) -> tuple[list[int], list[float], float]:
-        """A term's positions, BM25 weights and idf: cached, or worked out now."""
-        return self._weights.get(term) or self._term_weights(term)
-
     def _term_weights(self, term: str) -> tuple[list[int], list[float], float]:
+        """A term's positions, BM25 weights and idf, worked out now and cached."""
         if len(self._weights) >= _CACHED_TERMS:  # terms no document has add up
             self._weights, self._bounds = {}, {}
-        posting = self.postings.get(term, {})
-        n, df = len(self._ids), len(posting)
-        idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+        posting, idf = self.postings.get(term, {}), self.idf(term)
         k1_plus_1 = _BM25_K1 + 1
         positions = list(map(self._positions.__getitem__, posting))
         weights = [
@@ -1746,13 +1741,18 @@ class _Corpus:
         self._weights[term] = (positions, weights, idf)
         return positions, weights, idf
 
+    def idf(self, term: str) -> float:
+        """BM25's idf of a term over the visible documents, as `rank` and `coverage` weigh it."""
+        df = len(self.postings.get(term, ()))
+        return math.log(1 + (len(self.counts) - df + 0.5) / (df + 0.5))
+
     def coverage(self, terms: Sequence[str]) -> Callable[[int], float]:
-        """How much of the query's evidence a document holds, in [0, 1], after `rank` with
-        these terms: each distinct query term that is not a function word (all of them if
-        every one is) weighs the square root of its BM25 idf, and the share of that weight
-        whose terms the document holds, as they are or by `_stem`, is its coverage."""
+        """How much of the query's evidence a document holds, in [0, 1]: each distinct query
+        term that is not a function word (all of them if every one is) weighs the square root
+        of its BM25 idf, and the share of that weight whose terms the document holds, as they
+        are or by `_stem`, is its coverage."""
         subject = [term for term in terms if term not in _FUNCTION_WORDS] or terms
-        weights = [(term, _stem(term), math.sqrt(self._term(term)[2])) for term in subject]
+        weights = [(term, _stem(term), math.sqrt(self.idf(term))) for term in subject]
         total = sum(weight for _, _, weight in weights)
 
         def of(doc_id: int) -> float:
@@ -7689,6 +7689,7 @@ class core:
     BLANK: Final = _WS_RUN  # a text of white space only `fullmatch`es it: no content
     # Ranking: the token statistics of a set of texts, and a scan's plan over them.
     Corpus: typing.TypeAlias = _Corpus
+    BM25: Final = (_BM25_K1, _BM25_B)  # the k1 and b `Corpus.rank` scores with
     query_terms = staticmethod(_query_terms)
     scan_terms = staticmethod(_scan_terms)
     plan_scan = staticmethod(_plan_scan)
