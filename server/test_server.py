@@ -1920,6 +1920,41 @@ def database_rows(backend: list[str]) -> dict[tuple[str, int], tactmem.Record]:
     return {(row[0], row[1]): tactmem.Record.from_row(row[1:]) for row in rows}
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_the_array_corpus_ranks_as_the_core_does(seed: int) -> None:
+    """`_ArrayCorpus`, under random inserts, replaces, deletes and hidden rows with the server's
+    ids: every rank equals the core's `Corpus.rank` over the same rows (ids, order, ties by id,
+    scores to the bit, any limit), and so does every card's coverage."""
+    rng = random.Random(seed)
+    arrays, core = tactmem_server._ArrayCorpus(), tactmem.core.Corpus()
+    rows: dict[int, tuple[int, int, object]] = {}
+    words = [*_WORDS, "deploys", "x", "y"]
+    for _ in range(60):
+        doc_id = tactmem_server._doc_id(rng.choice(["a", "b", "team-z"]), rng.randrange(1, 12))
+        text = " ".join(rng.choices(words, k=rng.randrange(0, 9)))
+        gone: list[int] = []
+        if doc_id in rows and rng.random() < 0.3:
+            gone, changed = [doc_id], []
+            del rows[doc_id]
+        else:
+            version = rows[doc_id][1] + 1 if doc_id in rows else 1
+            rows[doc_id] = (doc_id, version, None if rng.random() < 0.1 else text)
+            changed = [rows[doc_id]]
+        if rng.random() < 0.2:  # a whole namespace again, most rows unchanged
+            changed = list(rows.values())
+        for corpus in (arrays, core):
+            corpus.patch(changed, gone)
+        for _ in range(3):
+            terms = tactmem.core.query_terms(" ".join(rng.sample([*words, "absent"], 3)))
+            limit = rng.randrange(0, len(rows) + 3)
+            expected = core.rank(terms, limit)
+            assert arrays.rank(terms, limit) == expected
+            assert all(type(score) is float for _, score in arrays.rank(terms, limit))
+            if expected:
+                of, ours = core.coverage(terms), arrays.coverage(terms)
+                assert [ours(doc) for doc, _ in expected] == [of(doc) for doc, _ in expected]
+
+
 def recomputed_scan(
     rows: dict[tuple[str, int], tactmem.Record], query: str, limit: int, now_ms: int
 ) -> list[dict[str, Any]]:
