@@ -1185,9 +1185,10 @@ class _ArrayCorpus(tactmem.core.Corpus):
                 if term in self._arrays:
                     self._weights_now[term] = weights
             scores[slots] += weights  # a term holds a slot once
-        cut = len(scores) - min(limit, len(scores))
-        kth = numpy.partition(scores, cut)[cut]
-        top = numpy.flatnonzero(scores >= kth if kth > 0 else scores > 0)
+        top = numpy.flatnonzero(scores)  # numpy partitions many equal zeros slowly: skip them
+        if len(top) > limit:
+            held = scores[top]
+            top = top[held >= numpy.partition(held, len(held) - limit)[len(held) - limit]]
         ids = map(self._ids_by_slot.__getitem__, top.tolist())
         best = sorted(zip((-scores[top]).tolist(), ids, strict=True))[:limit]
         return [(doc_id, -negative) for negative, doc_id in best]
@@ -1216,7 +1217,8 @@ class TeamStore:
         self._seen: dict[str, int] = {}  # namespace -> change counter the cache holds
         self._counters: list[tuple[Any, ...]] = []  # the counters' rows as last read
         self._rows: dict[str, list[tuple[int, int, object]]] = {}
-        self._verdicts: dict[str, dict[int, tuple[Record, bool]]] = {}  # `_served`, by row
+        # namespace -> id -> its row as last fetched, and the corpus row made of it (`_served`)
+        self._verdicts: dict[str, dict[int, tuple[tuple[Any, ...], tuple[int, int, object]]]] = {}
 
     def close(self) -> None:
         self.engine.close()
@@ -1363,7 +1365,7 @@ class TeamStore:
         for ns in [ns for ns, changes in counters.items() if self._seen.get(ns) != changes]:
             rows = tx.rows(f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?", [ns])
             before = self._rows.get(ns, [])
-            self._rows[ns] = self._corpus_rows(ns, [r for _, r in map(_namespaced, rows)])
+            self._rows[ns] = self._corpus_rows(ns, rows)
             fresh += self._rows[ns]
             gone += {row[0] for row in before} - {row[0] for row in self._rows[ns]}
         for ns in self._rows.keys() - counters.keys():
@@ -1372,21 +1374,23 @@ class TeamStore:
         self._corpus.patch(fresh, gone)
         self._seen, self._counters = counters, found
 
-    def _corpus_rows(self, ns: str, records: Sequence[Record]) -> list[tuple[int, int, object]]:
-        """A namespace's rows as the corpus takes them: the text only of a row `_served` admits
-        (what a scan offers, a read returns). `_served` runs a text's secret rules, so it is
-        asked again only of a row that changed since the namespace was last fetched."""
+    def _corpus_rows(
+        self, ns: str, rows: Sequence[tuple[Any, ...]]
+    ) -> list[tuple[int, int, object]]:
+        """A namespace's rows (`_COLUMNS`) as the corpus takes them: the text only of a row
+        `_served` admits (what a scan offers, a read returns). `_served` runs a text's secret
+        rules, so it is asked again only of a row that changed, in any column, since the
+        namespace was last fetched; the others are not even made `Record`s again."""
         before, verdicts = self._verdicts.get(ns, {}), {}
-        for record in records:
-            kept = before.get(record.key.id)
-            if kept is None or kept[0] != record:
-                kept = (record, _served(ns, record))
-            verdicts[record.key.id] = kept
+        for row in rows:
+            kept = before.get(row[1])
+            if kept is None or kept[0] != row:
+                record = _namespaced(row)[1]
+                text = record.content if _served(ns, record) else None
+                kept = row, (_doc_id(ns, record.key.id), record.key.version, text)
+            verdicts[row[1]] = kept
         self._verdicts[ns] = verdicts
-        return [
-            (_doc_id(ns, r.key.id), r.key.version, r.content if served else None)
-            for r, served in verdicts.values()
-        ]
+        return [corpus_row for _, corpus_row in verdicts.values()]
 
     def read(self, wanted: Sequence[WireKey], now_ms: int, deadline: float) -> list[dict[str, Any]]:
         def operation(tx: _Tx) -> list[dict[str, Any]]:
