@@ -10,7 +10,10 @@ side's database, builds the corpus (`warm`), scans `bench.py`'s 56 queries once,
 
 - "warm": the 56 queries twice more (p50 ms; "warm CPU" is the process's CPU time per scan);
 - "after put": each query right after a replace of one record in the first namespace, which
-  changes the corpus, so the scan pays what a change costs (p50 ms); "put" is that replace.
+  changes the corpus, so the scan pays what a change costs (p50 ms); "put" is that replace;
+- "after 56 puts": one scan after 56 replaces of other records of that namespace with
+  `bench.py`'s text of their size, no scan between (what the first scan after a burst of
+  writes pays: each of the 56 leaves the corpus and comes back with new terms).
 
 No HTTP, no authentication: the store's own work, which 8 clients queue behind on one GIL
 (`server_bench.py` times the server). Medians over the rounds are printed with after/before.
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-FIGURES = ("warm", "warm CPU", "after put", "put")
+FIGURES = ("warm", "warm CPU", "after put", "put", "after 56 puts")
 
 
 def child(database: str, namespaces: int) -> dict[str, float]:
@@ -89,12 +92,20 @@ def child(database: str, namespaces: int) -> dict[str, float]:
         put = tactmem_server.check_put({"content": text, "replacement": key}, "ns000", now)
         puts.append(timed(functools.partial(store.put, "ns000", put, time.monotonic() + 60)))
         after.append(timed(scan(query)))
+    writer = bench._Writer(random.Random(bench.SEED + 7))
+    for memory in [m for m in store.list(now, later) if m["key"]["namespace"] == "ns000"][56:112]:
+        text = bench.alternate_content(writer, memory["content"])  # a burst of puts, one scan
+        key = tactmem_server.WireKey("ns000", memory["key"]["id"], memory["key"]["version"])
+        put = tactmem_server.check_put({"content": text, "replacement": key}, "ns000", now)
+        store.put("ns000", put, later)
+    burst = timed(scan(terms[0]))
     store.close()
     return {
         "warm": statistics.median(warm) * 1e3,
         "warm CPU": warm_cpu * 1e3,
         "after put": statistics.median(after) * 1e3,
         "put": statistics.median(puts) * 1e3,
+        "after 56 puts": burst * 1e3,
     }
 
 
@@ -134,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for figure in FIGURES:
         before, after = medians["before"][figure], medians["after"][figure]
         ratio = after / before
-        print(f"  {figure:10} before {before:8.2f}  after {after:8.2f}  after/before {ratio:.2f}")
+        print(f"  {figure:13} before {before:8.2f}  after {after:8.2f}  after/before {ratio:.2f}")
     return 0
 
 

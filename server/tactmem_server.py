@@ -1124,47 +1124,60 @@ class _ArrayCorpus(tactmem.core.Corpus):
     ) -> dict[str, tuple[bool, dict[str, int]]]:
         gone = list(gone)
         ids = [row[0] for row in rows if self.rows.get(row[0]) != row] + gone
-        for doc_id in ids:
-            self._unplace(doc_id)
+        self._unplace(ids)
         derived = super().patch(rows, gone, known)
-        for doc_id in ids:
-            self._place(doc_id)
+        self._place(ids)
         if ids:
             self._weights_now, self._norms = {}, None
         return derived
 
-    def _unplace(self, doc_id: int) -> None:
-        slot = self._slot_of.pop(doc_id, None)
-        if slot is None:
-            return
-        for term in self.counts[doc_id]:
-            if term in self._arrays:
-                slots, counts = self._arrays[term]
-                kept = slots != slot
-                if kept.any():
-                    self._arrays[term] = slots[kept], counts[kept]
-                else:
-                    del self._arrays[term]
-        self._free_slots.append(slot)
+    def _unplace(self, doc_ids: Iterable[int]) -> None:
+        """Free these documents' slots, and take them out of their terms' arrays: each array
+        is edited once, however many of these documents hold its term."""
+        terms: set[str] = set()
+        freed = len(self._free_slots)
+        for doc_id in doc_ids:
+            slot = self._slot_of.pop(doc_id, None)
+            if slot is not None:
+                terms.update(self.counts[doc_id])
+                self._free_slots.append(slot)
+        alive = numpy.ones(len(self._slot_lengths), bool)
+        alive[self._free_slots[freed:]] = False
+        for term in terms.intersection(self._arrays):
+            slots, counts = self._arrays[term]
+            kept = alive[slots]
+            if kept.any():
+                self._arrays[term] = slots[kept], counts[kept]
+            else:
+                del self._arrays[term]
 
-    def _place(self, doc_id: int) -> None:
-        counts = self.counts.get(doc_id)
-        if counts is None:  # gone, or hidden
-            return
-        if self._free_slots:
-            slot = self._free_slots.pop()
-            self._ids_by_slot[slot] = doc_id
-        else:
-            slot = len(self._ids_by_slot)
-            self._ids_by_slot.append(doc_id)
-            if slot == len(self._slot_lengths):
-                self._slot_lengths = numpy.concatenate([self._slot_lengths, numpy.zeros(slot + 64)])
-        self._slot_of[doc_id] = slot
-        self._slot_lengths[slot] = self.lengths[doc_id]
-        for term, count in counts.items():
-            if term in self._arrays:
-                slots, counts_now = self._arrays[term]
-                self._arrays[term] = numpy.append(slots, slot), numpy.append(counts_now, count)
+    def _place(self, doc_ids: Iterable[int]) -> None:
+        """Give these documents (those now visible) slots, and add them to their terms' arrays
+        (once per array, as `_unplace`)."""
+        added: dict[str, tuple[list[int], list[int]]] = {}
+        for doc_id in doc_ids:
+            counts = self.counts.get(doc_id)
+            if counts is None:  # gone, or hidden
+                continue
+            if self._free_slots:
+                slot = self._free_slots.pop()
+                self._ids_by_slot[slot] = doc_id
+            else:
+                slot = len(self._ids_by_slot)
+                self._ids_by_slot.append(doc_id)
+                if slot == len(self._slot_lengths):
+                    grown = numpy.zeros(slot + 64)
+                    self._slot_lengths = numpy.concatenate([self._slot_lengths, grown])
+            self._slot_of[doc_id] = slot
+            self._slot_lengths[slot] = self.lengths[doc_id]
+            for term, count in counts.items():
+                if term in self._arrays:
+                    slots, term_counts = added.setdefault(term, ([], []))
+                    slots.append(slot)
+                    term_counts.append(count)
+        for term, (slots, term_counts) in added.items():
+            held, held_counts = self._arrays[term]
+            self._arrays[term] = numpy.append(held, slots), numpy.append(held_counts, term_counts)
 
     def rank(self, terms: Sequence[str], limit: int) -> list[tuple[int, float]]:
         """`Corpus.rank`'s answer: BM25, best first, ties by id, documents sharing no term left

@@ -1923,23 +1923,28 @@ def database_rows(backend: list[str]) -> dict[tuple[str, int], tactmem.Record]:
 @pytest.mark.parametrize("seed", range(40))
 def test_the_array_corpus_ranks_as_the_core_does(seed: int) -> None:
     """`_ArrayCorpus`, under random inserts, replaces, deletes and hidden rows with the server's
-    ids: every rank equals the core's `Corpus.rank` over the same rows (ids, order, ties by id,
-    scores to the bit, any limit), and so does every card's coverage."""
+    ids, one or several in a patch: every rank equals the core's `Corpus.rank` over the same
+    rows (ids, order, ties by id, scores to the bit, any limit), and so does every card's
+    coverage."""
     rng = random.Random(seed)
     arrays, core = tactmem_server._ArrayCorpus(), tactmem.core.Corpus()
     rows: dict[int, tuple[int, int, object]] = {}
     words = [*_WORDS, "deploys", "x", "y"]
     for _ in range(60):
-        doc_id = tactmem_server._doc_id(rng.choice(["a", "b", "team-z"]), rng.randrange(1, 12))
-        text = " ".join(rng.choices(words, k=rng.randrange(0, 9)))
         gone: list[int] = []
-        if doc_id in rows and rng.random() < 0.3:
-            gone, changed = [doc_id], []
-            del rows[doc_id]
-        else:
-            version = rows[doc_id][1] + 1 if doc_id in rows else 1
-            rows[doc_id] = (doc_id, version, None if rng.random() < 0.1 else text)
-            changed = [rows[doc_id]]
+        changed: list[tuple[int, int, object]] = []
+        for _ in range(rng.choice([1, 1, 2, 6])):  # one change, or several in one patch
+            doc_id = tactmem_server._doc_id(rng.choice(["a", "b", "team-z"]), rng.randrange(1, 12))
+            text = " ".join(rng.choices(words, k=rng.randrange(0, 9)))
+            if doc_id in gone or doc_id in [row[0] for row in changed]:
+                continue
+            if doc_id in rows and rng.random() < 0.3:
+                gone.append(doc_id)
+                del rows[doc_id]
+            else:
+                version = rows[doc_id][1] + 1 if doc_id in rows else 1
+                rows[doc_id] = (doc_id, version, None if rng.random() < 0.1 else text)
+                changed.append(rows[doc_id])
         if rng.random() < 0.2:  # a whole namespace again, most rows unchanged
             changed = list(rows.values())
         for corpus in (arrays, core):
