@@ -1097,14 +1097,18 @@ class PostgresEngine:
         self._pool.close()
 
 
+_NO_POSTINGS: Final = (numpy.zeros(0, numpy.intp), numpy.zeros(0))  # a term no document holds
+
+
 class _ArrayCorpus(tactmem.core.Corpus):
     """The core's corpus, ranked over numpy arrays instead of Python lists: the same BM25 floats
     to the bit (each weight is the core's expression, and each document's score adds them from
     0.0 in term order, one `+` at a time) and the same order (ties by id), for about a quarter
-    of the core's CPU on a team's corpus. Each visible document has a slot; a term's slots and
-    counts are arrays, made at its first use and edited where a document holding it changes,
-    and its weights are worked out whole at its first use after any change (every weight moves
-    with the average length)."""
+    of the core's CPU on a team's corpus. Each visible document has a slot; every term's slots
+    and counts are arrays, made with the first document holding it and edited where one
+    changes (a scan never builds one: at 50 namespaces a common term's took milliseconds of
+    Python), and its weights are worked out whole at its first use after any change (every
+    weight moves with the average length)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1112,7 +1116,7 @@ class _ArrayCorpus(tactmem.core.Corpus):
         self._ids_by_slot: list[int] = []
         self._free_slots: list[int] = []
         self._slot_lengths = numpy.zeros(0)  # by slot (a free slot's is left: no term holds it)
-        self._arrays: dict[str, tuple[Any, Any]] = {}  # term -> its slots and counts
+        self._arrays: dict[str, tuple[Any, Any]] = {}  # every held term -> its slots and counts
         self._weights_now: dict[str, Any] = {}  # term -> its weights, until the next change
         self._norms: Any = None  # each slot's k1 (1 - b + b length / average), once asked for
 
@@ -1171,12 +1175,11 @@ class _ArrayCorpus(tactmem.core.Corpus):
             self._slot_of[doc_id] = slot
             self._slot_lengths[slot] = self.lengths[doc_id]
             for term, count in counts.items():
-                if term in self._arrays:
-                    slots, term_counts = added.setdefault(term, ([], []))
-                    slots.append(slot)
-                    term_counts.append(count)
+                slots, term_counts = added.setdefault(term, ([], []))
+                slots.append(slot)
+                term_counts.append(count)
         for term, (slots, term_counts) in added.items():
-            held, held_counts = self._arrays[term]
+            held, held_counts = self._arrays.get(term, _NO_POSTINGS)
             self._arrays[term] = numpy.append(held, slots), numpy.append(held_counts, term_counts)
 
     def rank(self, terms: Sequence[str], limit: int) -> list[tuple[int, float]]:
@@ -1191,7 +1194,7 @@ class _ArrayCorpus(tactmem.core.Corpus):
             self._norms = k1 * ((1 - b) + b * relative)
         scores = numpy.zeros(len(self._slot_lengths))
         for term in terms:
-            slots, counts = self._term_arrays(term)
+            slots, counts = self._arrays.get(term, _NO_POSTINGS)
             weights = self._weights_now.get(term)
             if weights is None:
                 weights = self.idf(term) * counts * (k1 + 1) / (counts + self._norms[slots])
@@ -1205,17 +1208,6 @@ class _ArrayCorpus(tactmem.core.Corpus):
         ids = map(self._ids_by_slot.__getitem__, top.tolist())
         best = sorted(zip((-scores[top]).tolist(), ids, strict=True))[:limit]
         return [(doc_id, -negative) for negative, doc_id in best]
-
-    def _term_arrays(self, term: str) -> tuple[Any, Any]:
-        """A term's slots and counts (none for a term no document holds, never kept)."""
-        found = self._arrays.get(term)
-        if found is None:
-            held = self.postings.get(term, {})
-            slots = numpy.fromiter(map(self._slot_of.__getitem__, held), numpy.intp, len(held))
-            found = slots, numpy.fromiter(held.values(), numpy.float64, len(held))
-            if held:
-                self._arrays[term] = found
-        return found
 
 
 class TeamStore:
