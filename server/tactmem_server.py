@@ -25,6 +25,7 @@ import collections
 import contextlib
 import errno
 import functools
+import gc
 import hashlib
 import importlib
 import ipaddress
@@ -2509,6 +2510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(tactmem.StoreBusy):  # else the first scan builds it
             store.warm(time.monotonic() + arguments.store_timeout)
         _load_mcp_sdk()
+        gc.freeze()  # what start-up made lives as long as the process: no collection walks it
     except (CredentialsError, TactmemError) as error:
         print(f"tactmem-server: {error}", file=sys.stderr)
         return 2
