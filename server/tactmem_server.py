@@ -820,8 +820,10 @@ def _check_postgres(found: set[tuple[Any, ...]]) -> None:
 # held against a change until commit (a new trigger, rule or policy needs a lock this one
 # conflicts with), then what would run on the server's statements is counted: a trigger, a
 # rule, a policy or row security, an inheriting table. Anything is refused, nothing written.
-_POSTGRES_GUARD: Final = """LOCK TABLE memory_namespaces, memories IN ROW EXCLUSIVE MODE;
-WITH ours AS (SELECT 'memories'::regclass::oid AS oid
+_POSTGRES_GUARD: Final[tuple[_Statement, ...]] = (
+    ("LOCK TABLE memory_namespaces, memories IN ROW EXCLUSIVE MODE", ()),
+    (
+        """WITH ours AS (SELECT 'memories'::regclass::oid AS oid
               UNION ALL SELECT 'memory_namespaces'::regclass)
 SELECT count(*) FROM (
     SELECT FROM pg_trigger WHERE tgrelid IN (SELECT oid FROM ours) AND NOT tgisinternal
@@ -830,7 +832,16 @@ SELECT count(*) FROM (
     UNION ALL SELECT FROM pg_inherits WHERE inhparent IN (SELECT oid FROM ours)
     UNION ALL SELECT FROM pg_class
                WHERE oid IN (SELECT oid FROM ours) AND (relrowsecurity OR relforcerowsecurity)
-) attached"""
+) attached""",
+        (),
+    ),
+)
+
+
+_COUNTERS: Final[_Statement] = (
+    "SELECT namespace, changes FROM memory_namespaces ORDER BY namespace",
+    (),
+)
 
 
 def _marks(count: int) -> str:
@@ -980,31 +991,66 @@ class SqliteEngine:
 
 
 class _PostgresTx:
-    def __init__(self, connection: Any) -> None:
+    """A transaction's statements, in as few round trips as their order allows. A write waits
+    (nothing reads what it returns) and goes out with the next read or with the commit. The
+    `opening` (`BEGIN`, the timeouts, the guard) goes out with the first reads, or alone before
+    a first write, which so runs only once the guard has answered. `fresh` until the opening
+    has gone: a connection found broken then has run nothing, and can be replaced."""
+
+    def __init__(self, connection: Any, opening: Sequence[_Statement], guarded: bool) -> None:
         self.connection = connection
+        self.fresh = True
+        self._opening, self._guarded = list(opening), guarded
+        self._writes: list[_Statement] = []
 
     def rows(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
-        rows: list[tuple[Any, ...]] = self.connection.execute(
-            sql.replace("?", "%s"), params
-        ).fetchall()
-        return rows
+        return self._flush([(sql, params)])[0]
 
     def run(self, sql: str, params: Sequence[object] = ()) -> None:
-        self.connection.execute(sql.replace("?", "%s"), params)
+        self.batch([(sql, params)])
 
     def many(self, sql: str, params: Iterable[Sequence[object]]) -> None:
-        with self.connection.cursor() as cursor:
-            cursor.executemany(sql.replace("?", "%s"), list(params))
+        self.batch([(sql, values) for values in params])
 
     def batch(self, statements: Sequence[_Statement]) -> list[list[tuple[Any, ...]]]:
-        if not statements:  # an empty pipeline still costs a round trip
-            return []
+        if not any(map(_reads, statements)):  # only writes: they wait
+            self._writes += statements
+            return [[] for _ in statements]
+        return self._flush(statements)
+
+    def commit(self) -> None:
+        if self.fresh and not self._writes:  # nothing was sent: no transaction was begun
+            return
+        self._flush([("COMMIT", ())])
+
+    def _flush(self, statements: Sequence[_Statement]) -> list[list[tuple[Any, ...]]]:
+        """The waiting writes, then these statements; the rows of these."""
+        waiting, self._writes = [*self._writes, *statements], []
+        if self.fresh:
+            opening, self._opening = self._opening, []
+            reads = all(map(_reads, waiting))
+            found = self._send([*opening, *waiting] if reads else opening)
+            self.fresh = False
+            if self._guarded and found[len(opening) - 1] != [(0,)]:
+                raise _not_ours("PostgreSQL database", "trigger, rule, policy or inheriting table")
+            if reads:
+                return found[len(opening) :]
+        found = self._send(waiting)
+        return found[len(found) - len(statements) :]
+
+    def _send(self, statements: Sequence[_Statement]) -> list[list[tuple[Any, ...]]]:
         with self.connection.pipeline():
             cursors = [
                 self.connection.execute(sql.replace("?", "%s"), params)
                 for sql, params in statements
             ]
         return [cursor.fetchall() if cursor.description else [] for cursor in cursors]
+
+
+def _reads(statement: _Statement) -> bool:
+    """A statement whose rows `batch` is asked for: every read it is given begins so, a write
+    never does (`rows` always sends at once)."""
+    return statement[0].startswith("SELECT ")
 
 
 class PostgresEngine:
@@ -1029,7 +1075,6 @@ class PostgresEngine:
             raise tactmem.StorageError("could not connect to PostgreSQL") from None
         self._pool = psycopg_pool.ConnectionPool(
             url, min_size=1, max_size=pool_size, kwargs={"autocommit": True}, open=False,
-            check=psycopg_pool.ConnectionPool.check_connection,  # after a restart, reconnect
         )  # fmt: skip
         try:
             self._pool.open(wait=True, timeout=10)
@@ -1063,29 +1108,38 @@ class PostgresEngine:
     @contextlib.contextmanager
     def _transaction(self, deadline: float, *, guarded: bool) -> Iterator[_Tx]:
         """One transaction with the deadline as its statement and lock timeouts and, when
-        `guarded`, `_POSTGRES_GUARD` run first, in the same round trip."""
+        `guarded`, `_POSTGRES_GUARD` answered before anything writes: all of it goes out with
+        the transaction's first statements (`_PostgresTx`). A connection that fails that first
+        round trip (a restart broke the pool's idle ones) has the pool check the others, and
+        the transaction runs again: nothing of it reached the database."""
         errors = self._psycopg.errors
+        tx = None
         try:
-            pooled = self._pool.connection(timeout=_deadline_left(deadline))
-            with pooled as connection, connection.transaction():
+            with self._pool.connection(timeout=_deadline_left(deadline)) as connection:
                 left = max(1, int(_deadline_left(deadline) * 1000))
-                timeouts = f"SET LOCAL statement_timeout = {left}; SET LOCAL lock_timeout = {left}"
-                cursor = connection.execute(
-                    f"{timeouts}; {_POSTGRES_GUARD}" if guarded else timeouts
-                )
-                while cursor.nextset():  # to the guard's count
-                    pass
-                if guarded and cursor.fetchone() != (0,):
-                    raise _not_ours(
-                        "PostgreSQL database", "trigger, rule, policy or inheriting table"
-                    )
-                yield _PostgresTx(connection)
-                _deadline_left(deadline)  # past it, roll back: the caller was told 503
+                opening: list[_Statement] = [
+                    ("BEGIN", ()),
+                    (f"SET LOCAL statement_timeout = {left}", ()),
+                    (f"SET LOCAL lock_timeout = {left}", ()),
+                    *(_POSTGRES_GUARD if guarded else ()),
+                ]
+                tx = _PostgresTx(connection, opening, guarded)
+                try:
+                    yield tx
+                    _deadline_left(deadline)  # past it, roll back: the caller was told 503
+                    tx.commit()
+                except BaseException:
+                    with contextlib.suppress(self._psycopg.Error):
+                        connection.rollback()
+                    raise
         except (errors.DeadlockDetected, errors.SerializationFailure):
             raise _Again() from None
         except (errors.QueryCanceled, errors.LockNotAvailable, self._pool_timeout):
             raise tactmem.StoreBusy() from None
         except self._psycopg.OperationalError:
+            if tx is not None and tx.fresh:
+                self._pool.check()
+                raise _Again() from None
             raise tactmem.StoreBusy() from None
         except self._psycopg.Error:
             raise tactmem.StorageError("PostgreSQL operation failed") from None
@@ -1278,11 +1332,15 @@ class TeamStore:
             "SELECT namespace, id, use_count, probation_until_ms FROM memories"
             " WHERE probation_until_ms <= ? AND use_count = 0"
         )
+        if own is None:  # nothing is locked unless a row is due: `then` goes out with the search
+            candidates, *early = tx.batch([(due, [now_ms]), *then])
+        else:
+            candidates = tx.rows(due, [now_ms])
         found = {
-            ns
-            for ns, _, uses, until in tx.rows(due, [now_ms])
-            if tactmem.core.expired(uses, until, now_ms)
+            ns for ns, _, uses, until in candidates if tactmem.core.expired(uses, until, now_ms)
         }
+        if own is None and not found:
+            return {}, early
         locked, after = self._lock(tx, found | ({own} if own else set()), () if found else then)
         if own is not None and own not in locked:  # its first write creates the namespace
             tx.run(
@@ -1317,17 +1375,19 @@ class TeamStore:
         self, terms: Sequence[str], limit: int, now_ms: int, deadline: float
     ) -> list[dict[str, Any]]:
         def operation(tx: _Tx) -> list[dict[str, Any]]:
-            self._prune(tx, now_ms)
+            _, [counters] = self._prune(tx, now_ms, then=[_COUNTERS])
             with self._corpus_lock:
-                self._refresh(tx)
+                self._refresh(tx, counters)
                 plan = tactmem.core.plan_scan(self._corpus, terms, limit, LIMITS)
             cards = [(_doc_key(card.key.id), card) for card in plan.result.candidates]
-            tx.many(
-                "UPDATE memories SET last_scanned_at_ms = ?,"
-                f" scan_count = {_CAPPED.format('scan_count')}"
-                " WHERE namespace = ? AND id = ? AND version = ?",
-                [(now_ms, ns, doc_id, card.key.version) for (ns, doc_id), card in cards],
-            )
+            keys = [(ns, doc_id, card.key.version) for (ns, doc_id), card in cards]
+            if keys:  # every card's row in one statement
+                tx.run(
+                    "UPDATE memories SET last_scanned_at_ms = ?,"
+                    f" scan_count = {_CAPPED.format('scan_count')}"
+                    f" WHERE (namespace, id, version) IN ({', '.join(['(?, ?, ?)'] * len(keys))})",
+                    [now_ms, *itertools.chain.from_iterable(keys)],
+                )
             return [
                 {
                     "key": wire_key(ns, Key(doc_id, card.key.version)),
@@ -1356,11 +1416,12 @@ class TeamStore:
             self._seen.clear()
             self._counters = []
 
-    def _refresh(self, tx: _Tx) -> None:
-        """Bring the combined corpus up to date: a warm scan reads the change counters and
-        compares them whole; only namespaces whose counter moved are fetched, and only their
-        rows are changed in the corpus."""
-        found = tx.rows("SELECT namespace, changes FROM memory_namespaces ORDER BY namespace")
+    def _refresh(self, tx: _Tx, found: list[tuple[Any, ...]] | None = None) -> None:
+        """Bring the combined corpus up to date: a warm scan reads the change counters (or is
+        given them, `_COUNTERS` read in this transaction) and compares them whole; only
+        namespaces whose counter moved are fetched, and only their rows are changed."""
+        if found is None:
+            found = tx.rows(_COUNTERS[0])
         if found == self._counters:
             return
         counters = {  # a namespace no credential can name holds a foreign writer's rows only
