@@ -1460,19 +1460,22 @@ class TeamStore:
         return [corpus_row for _, corpus_row in verdicts.values()]
 
     def read(self, wanted: Sequence[WireKey], now_ms: int, deadline: float) -> list[dict[str, Any]]:
+        by_namespace: dict[str, dict[int, int]] = {}  # namespace -> id -> version (0: any)
+        for key in wanted:
+            by_namespace.setdefault(str(key.namespace), {})[key.id] = key.version
+
         def operation(tx: _Tx) -> list[dict[str, Any]]:
-            self._prune(tx, now_ms)
-            by_namespace: dict[str, list[WireKey]] = {}
-            for key in wanted:
-                by_namespace.setdefault(str(key.namespace), []).append(key)
-            found: dict[tuple[str | None, int], Record] = {}
-            for ns, keys in by_namespace.items():
-                versions = {key.id: key.version for key in keys}
-                rows = tx.rows(
+            selects = [
+                (
                     f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?"
-                    f" AND id IN ({_marks(len(keys))}) ORDER BY id{self.engine.lock_sql}",
+                    f" AND id IN ({_marks(len(versions))}) ORDER BY id{self.engine.lock_sql}",
                     [ns, *versions],
                 )
+                for ns, versions in by_namespace.items()
+            ]
+            _, fetched = self._prune(tx, now_ms, then=selects)  # with the search, when none is due
+            found: dict[tuple[str | None, int], Record] = {}
+            for (ns, versions), rows in zip(by_namespace.items(), fetched, strict=True):
                 current = [
                     r
                     for _, r in map(_namespaced, rows)
@@ -1500,10 +1503,8 @@ class TeamStore:
 
     def list(self, now_ms: int, deadline: float) -> list[dict[str, Any]]:
         def operation(tx: _Tx) -> list[dict[str, Any]]:
-            self._prune(tx, now_ms)
-            rows = tx.rows(
-                f"SELECT {_COLUMNS} FROM memories ORDER BY namespace, id LIMIT {LIMITS.records}"
-            )
+            every = f"SELECT {_COLUMNS} FROM memories ORDER BY namespace, id LIMIT {LIMITS.records}"
+            _, [rows] = self._prune(tx, now_ms, then=[(every, ())])
             return [wire_record(ns, r) for ns, r in map(_namespaced, rows) if _served(ns, r)]
 
         result: list[dict[str, Any]] = self._run(deadline, operation)

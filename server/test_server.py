@@ -2605,6 +2605,49 @@ def test_namespace_store_is_one_principals_backend(backend: list[str]) -> None:
         store.close()
 
 
+def test_postgresql_scans_reads_and_puts_take_two_two_and_three_round_trips(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each round trip is one pipeline (`_PostgresTx._send`, spied on, still sent). A warm scan:
+    the opening with the prune's search and the counters, then its cards' telemetry with the
+    commit. A read: the same, its rows in place of the counters. A put: the opening with the
+    search; the namespace lock with the put's facts; its writes with the commit. Nothing writes
+    before the guard's count has come back."""
+    engine = tactmem_server.PostgresEngine(cluster.url(cluster.new_database()), pool_size=2)
+    store = tactmem_server.TeamStore(engine)
+    alice = tactmem_server.NamespaceStore(store, tactmem_server.Principal("alice", "writer"))
+    sent: list[list[str]] = []
+    send = tactmem_server._PostgresTx._send
+
+    def counted(tx: Any, statements: Any) -> Any:
+        sent.append([" ".join(sql.split()[:2]) for sql, _ in statements])
+        return send(tx, statements)
+
+    try:
+        first = alice.put("alice keeps the deploy runbook in ops/")
+        assert alice.scan("deploy").candidates  # the corpus is built: the next scan is warm
+        monkeypatch.setattr(tactmem_server._PostgresTx, "_send", counted)
+        assert [c.key for c in alice.scan("deploy runbook").candidates] == [first.key]
+        opening = ["BEGIN", "SET LOCAL", "SET LOCAL", "LOCK TABLE", "WITH ours"]
+        assert sent == [
+            [*opening, "SELECT namespace,", "SELECT namespace,"],  # the search, the counters
+            ["UPDATE memories", "COMMIT"],
+        ]
+        sent.clear()
+        alice.put("alice keeps the runbook in ops/runbook.md", replace=first.key)
+        assert len(sent) == 3 and sent[0] == [*opening, "SELECT namespace,"]
+        assert sent[1][0] == "SELECT namespace,"  # the lock, with the facts after it
+        assert sent[2][-1] == "COMMIT" and not [s for s in sent[2] if s.startswith("SELECT")]
+        sent.clear()
+        assert alice.read([1])  # a read: its rows with the search, then its telemetry
+        assert sent == [
+            [*opening, "SELECT namespace,", "SELECT namespace,"],
+            ["UPDATE memories", "COMMIT"],
+        ]
+    finally:
+        store.close()
+
+
 # ============================================================================ safe pushes
 # Issue 25: `tactmem push` (the client, in tactmem.py) plans against the namespace's export and
 # sends the sync with `IF_CHANGES`, so it never rewrites or deletes a record it has not seen
