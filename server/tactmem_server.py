@@ -1327,19 +1327,21 @@ class TeamStore:
     ) -> tuple[dict[str, int], list[list[tuple[Any, ...]]]]:
         """Drop what `_expired` names, in every namespace (locking those it touches, and `own`,
         which is created if new); the locked namespaces' `next_id`s, and the rows of `then`,
-        statements run once the prune is done (with the locks, when nothing comes between)."""
+        statements run once the prune is done (with the locks, when nothing comes between;
+        with the search itself, when nothing is to be locked and nothing is due)."""
         due = (  # `memories_probation` holds only rows on probation: a warm scan reads none
             "SELECT namespace, id, use_count, probation_until_ms FROM memories"
             " WHERE probation_until_ms <= ? AND use_count = 0"
         )
-        if own is None:  # nothing is locked unless a row is due: `then` goes out with the search
+        early: list[list[tuple[Any, ...]]] | None = None  # `then`'s rows, read with the search
+        if own is None:
             candidates, *early = tx.batch([(due, [now_ms]), *then])
         else:
             candidates = tx.rows(due, [now_ms])
         found = {
             ns for ns, _, uses, until in candidates if tactmem.core.expired(uses, until, now_ms)
         }
-        if own is None and not found:
+        if early is not None and not found:
             return {}, early
         locked, after = self._lock(tx, found | ({own} if own else set()), () if found else then)
         if own is not None and own not in locked:  # its first write creates the namespace
@@ -1381,11 +1383,11 @@ class TeamStore:
                 plan = tactmem.core.plan_scan(self._corpus, terms, limit, LIMITS)
             cards = [(_doc_key(card.key.id), card) for card in plan.result.candidates]
             keys = [(ns, doc_id, card.key.version) for (ns, doc_id), card in cards]
-            if keys:  # every card's row in one statement
+            if keys:  # every card's row in one statement, each found by its primary key
+                rows = " OR ".join(["(namespace = ? AND id = ? AND version = ?)"] * len(keys))
                 tx.run(
                     "UPDATE memories SET last_scanned_at_ms = ?,"
-                    f" scan_count = {_CAPPED.format('scan_count')}"
-                    f" WHERE (namespace, id, version) IN ({', '.join(['(?, ?, ?)'] * len(keys))})",
+                    f" scan_count = {_CAPPED.format('scan_count')} WHERE {rows}",
                     [now_ms, *itertools.chain.from_iterable(keys)],
                 )
             return [

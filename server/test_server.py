@@ -2648,6 +2648,34 @@ def test_postgresql_scans_reads_and_puts_take_two_two_and_three_round_trips(
         store.close()
 
 
+def test_sqlite_scans_reads_and_puts_find_rows_by_index(tmp_path: pathlib.Path) -> None:
+    """Every statement a warm scan, a read and a put run on SQLite reaches `memories` through
+    an index, never by reading the whole table (EXPLAIN QUERY PLAN of each, as traced): a row
+    value list (`(namespace, id, version) IN (...)`) once made each scan's telemetry read
+    every row of 50 namespaces, which no untimed test saw."""
+    engine = tactmem_server.SqliteEngine(str(tmp_path / "team.sqlite3"))
+    store = tactmem_server.TeamStore(engine)
+    alice = tactmem_server.NamespaceStore(store, tactmem_server.Principal("alice", "writer"))
+    ran: list[str] = []
+    try:
+        keys = [alice.put(f"alice keeps runbook {n} of the deploy in ops/").key for n in range(9)]
+        assert alice.scan("deploy runbook").candidates  # the corpus is built
+        engine._connection.set_trace_callback(ran.append)
+        assert len(alice.scan("deploy runbook").candidates) == 5
+        assert alice.read([1, 2])
+        alice.put("alice keeps the runbook in ops/runbook.md", replace=keys[0])
+        engine._connection.set_trace_callback(None)
+        touching = [
+            sql for sql in ran if " memories " in f"{sql} " and not sql.startswith("PRAGMA")
+        ]
+        assert any(sql.startswith("UPDATE memories SET last_scanned_at_ms") for sql in touching)
+        for sql in touching:
+            plan = engine._connection.execute(f"EXPLAIN QUERY PLAN {sql}").fetchall()
+            assert not [row for row in plan if row[3] == "SCAN memories"], (sql, plan)
+    finally:
+        store.close()
+
+
 # ============================================================================ safe pushes
 # Issue 25: `tactmem push` (the client, in tactmem.py) plans against the namespace's export and
 # sends the sync with `IF_CHANGES`, so it never rewrites or deletes a record it has not seen
