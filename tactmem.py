@@ -7734,12 +7734,31 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error in one line, without repeating any typed value,
     instead of exiting with a usage dump."""
 
+    def __init__(self, **options: Any) -> None:
+        super().__init__(formatter_class=_help_layout, **options)
+
     def error(self, message: str) -> NoReturn:
         extra = message.removeprefix("unrecognized arguments: ")
         hint = _closest_option(extra) if extra != message else _closest_choice(message)
         for pattern, wording in _USAGE_WORDING:
             message = re.sub(f"(?s)^{pattern}$", wording, message)
         raise _UsageError(message + hint)
+
+
+def _help_layout(prog: str) -> argparse.HelpFormatter:
+    """argparse's help layout at the width it would find (`COLUMNS`, else the terminal's, else
+    80) without importing `shutil`, and its compression modules, which argparse does for every
+    option declared: a one-shot command paid milliseconds for it."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return argparse.HelpFormatter(prog, width=(columns or 80) - 2)
 
 
 def _closest_option(words: str) -> str:
