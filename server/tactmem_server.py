@@ -2111,8 +2111,9 @@ class _McpEndpoint:
 
     async def run(self) -> None:
         """Run the SDK's session manager until cancelled. The SDK takes seconds to import:
-        `main` imports it before the port answers (`_load_mcp_sdk`); for an app built alone, a
-        worker thread loads it while the `/v1` routes already answer, and `/mcp` requests wait."""
+        `main` imports it before the port answers (`_load_first_use_modules`); for an app built
+        alone, a worker thread loads it while the `/v1` routes already answer, and `/mcp`
+        requests wait."""
         self.ready = anyio.Event()
 
         def manager() -> Any:
@@ -2540,16 +2541,18 @@ _EXPOSED: Final = (
 )
 
 
-_MCP_MODULES: Final = (
+_FIRST_USE_MODULES: Final = (
     "mcp.types", "mcp.server.lowlevel", "mcp.server.streamable_http_manager",
     "mcp.server.auth.middleware.bearer_auth", "mcp.server.auth.provider", "mcp_types.version",
+    "anyio._backends._asyncio",  # anyio's, on its first use: each request's hand-off to a thread
 )  # fmt: skip
 
 
-def _load_mcp_sdk() -> None:
-    """Import what `/mcp` runs on before the port answers: the SDK takes seconds to import,
-    and an import in a worker thread would hold the interpreter under the first requests."""
-    for module in _MCP_MODULES:
+def _load_first_use_modules() -> None:
+    """Import, before the port answers, what requests would otherwise import on first use: what
+    `/mcp` runs on (the SDK takes seconds), and anyio's event loop backend (about 10 ms), which
+    the first request paid, and every request that came in while it loaded."""
+    for module in _FIRST_USE_MODULES:
         importlib.import_module(module)
 
 
@@ -2573,7 +2576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = TeamStore(engine)
         with contextlib.suppress(tactmem.StoreBusy):  # else the first scan builds it
             store.warm(time.monotonic() + arguments.store_timeout)
-        _load_mcp_sdk()
+        _load_first_use_modules()
         gc.freeze()  # what start-up made lives as long as the process: no collection walks it
     except (CredentialsError, TactmemError) as error:
         print(f"tactmem-server: {error}", file=sys.stderr)
@@ -2587,8 +2590,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = uvicorn.Config(
         app, interface="asgi3", log_config=None, access_log=False, lifespan="on",
         timeout_graceful_shutdown=int(arguments.store_timeout + _GRACE_S), backlog=backlog,
-        http=_bounded_protocol(arguments.read_timeout, connections),
+        http=_bounded_protocol(arguments.read_timeout, connections), ws="none",
     )  # fmt: skip
+    config.load()  # uvicorn's own imports, before the port is said to answer, not under a request
     for name in ("uvicorn", "asyncio"):
         foreign = logging.getLogger(name)
         foreign.setLevel(logging.WARNING)

@@ -2085,6 +2085,25 @@ def test_the_listener_is_a_tcp_socket_so_connections_get_nodelay() -> None:
         listener.close()
 
 
+@pytest.mark.slow
+def test_a_websocket_upgrade_stays_plain_http(tmp_path: pathlib.Path, credentials: str) -> None:
+    """No WebSocket protocol is loaded (uvicorn's `ws="none"`): an upgrade request is answered
+    as any other request, by the bounded HTTP protocol and its read timeouts, never handed to a
+    protocol without them (uvicorn's default upgraded it, and the handshake answered 403)."""
+    server = Server(["--sqlite", str(tmp_path / "team.sqlite3")], credentials)
+    parts = urlsplit(server.url)
+    try:
+        connection = http.client.HTTPConnection(parts.hostname or "", parts.port or 0, timeout=10)
+        upgrade = {"connection": "Upgrade", "upgrade": "websocket", "sec-websocket-version": "13"}
+        upgrade["sec-websocket-key"] = "dGhlIHNhbXBsZSBub25jZQ=="
+        connection.request("GET", "/v1/memories/scan", headers=upgrade)
+        answer = connection.getresponse()
+        assert (answer.status, answer.getheader("allow"), answer.read()) == (405, "POST", b"")
+        assert server.client.put("the next request is answered")["key"]["id"] == 1
+    finally:
+        server.stop()
+
+
 # ============================================================================ pure rules
 
 NAMESPACES = st.text(alphabet="ABCXYZabcxyz019._-", min_size=1, max_size=128)
