@@ -819,13 +819,14 @@ def _check_postgres(found: set[tuple[Any, ...]]) -> None:
 # Run in every PostgreSQL transaction, in the round trip that sets its timeouts: the tables
 # held against a change until commit (a new trigger, rule or policy needs a lock this one
 # conflicts with), then what would run on the server's statements is counted: a trigger, a
-# rule, a policy or row security, an inheriting table. Anything is refused, nothing written.
+# rule, a policy or row security, an inheriting table. A count above 0 divides by zero: the
+# statement fails, so nothing sent after it in the pipeline runs, and the operation is refused.
 _POSTGRES_GUARD: Final[tuple[_Statement, ...]] = (
     ("LOCK TABLE memory_namespaces, memories IN ROW EXCLUSIVE MODE", ()),
     (
         """WITH ours AS (SELECT 'memories'::regclass::oid AS oid
               UNION ALL SELECT 'memory_namespaces'::regclass)
-SELECT count(*) FROM (
+SELECT 1 / (count(*) = 0)::int FROM (
     SELECT FROM pg_trigger WHERE tgrelid IN (SELECT oid FROM ours) AND NOT tgisinternal
     UNION ALL SELECT FROM pg_rewrite WHERE ev_class IN (SELECT oid FROM ours)
     UNION ALL SELECT FROM pg_policy WHERE polrelid IN (SELECT oid FROM ours)
@@ -992,15 +993,20 @@ class SqliteEngine:
 
 class _PostgresTx:
     """A transaction's statements, in as few round trips as their order allows. A write waits
-    (nothing reads what it returns) and goes out with the next read or with the commit. The
-    `opening` (`BEGIN`, the timeouts, the guard) goes out with the first reads, or alone before
-    a first write, which so runs only once the guard has answered. `fresh` until the opening
-    has gone: a connection found broken then has run nothing, and can be replaced."""
+    (nothing reads what it returns) and goes out with the next read or with the commit, which
+    first sets the timeouts to what is left of the deadline: no write runs past it. The
+    opening (`BEGIN`, the timeouts, `_POSTGRES_GUARD`) goes out with the first statements; the
+    guard fails when anything is attached to the tables, and PostgreSQL then runs nothing after
+    it. `fresh` until the opening has gone: a connection found broken then has run nothing."""
 
-    def __init__(self, connection: Any, opening: Sequence[_Statement], guarded: bool) -> None:
-        self.connection = connection
+    def __init__(
+        self, connection: Any, deadline: float, guarded: bool, refused: type[Exception]
+    ) -> None:
+        self.connection, self.deadline = connection, deadline
         self.fresh = True
-        self._opening, self._guarded = list(opening), guarded
+        guard = _POSTGRES_GUARD if guarded else ()
+        self._opening = [("BEGIN", ()), *_timeouts(deadline), *guard]
+        self._refused = refused  # the error the guard fails with
         self._writes: list[_Statement] = []
 
     def rows(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
@@ -1019,23 +1025,23 @@ class _PostgresTx:
         return self._flush(statements)
 
     def commit(self) -> None:
+        """Past the deadline, `StoreBusy` (the caller rolls back: it was told 503)."""
         if self.fresh and not self._writes:  # nothing was sent: no transaction was begun
             return
+        self._writes[:0] = _timeouts(self.deadline)
         self._flush([("COMMIT", ())])
 
     def _flush(self, statements: Sequence[_Statement]) -> list[list[tuple[Any, ...]]]:
-        """The waiting writes, then these statements; the rows of these."""
-        waiting, self._writes = [*self._writes, *statements], []
-        if self.fresh:
-            opening, self._opening = self._opening, []
-            reads = all(map(_reads, waiting))
-            found = self._send([*opening, *waiting] if reads else opening)
-            self.fresh = False
-            if self._guarded and found[len(opening) - 1] != [(0,)]:
-                raise _not_ours("PostgreSQL database", "trigger, rule, policy or inheriting table")
-            if reads:
-                return found[len(opening) :]
-        found = self._send(waiting)
+        """The opening if it has not gone, the waiting writes, then these; the rows of these."""
+        waiting = [*self._opening, *self._writes, *statements]
+        self._opening, self._writes = [], []
+        try:
+            found = self._send(waiting)
+        except self._refused:  # only the guard divides by zero
+            raise _not_ours(
+                "PostgreSQL database", "trigger, rule, policy or inheriting table"
+            ) from None
+        self.fresh = False
         return found[len(found) - len(statements) :]
 
     def _send(self, statements: Sequence[_Statement]) -> list[list[tuple[Any, ...]]]:
@@ -1045,6 +1051,13 @@ class _PostgresTx:
                 for sql, params in statements
             ]
         return [cursor.fetchall() if cursor.description else [] for cursor in cursors]
+
+
+def _timeouts(deadline: float) -> list[_Statement]:
+    """What is left of the deadline as the transaction's statement and lock timeouts (whole
+    milliseconds, at least 1); past it, `StoreBusy`."""
+    left = max(1, int(_deadline_left(deadline) * 1000))
+    return [(f"SET LOCAL statement_timeout = {left}", ()), (f"SET LOCAL lock_timeout = {left}", ())]
 
 
 def _reads(statement: _Statement) -> bool:
@@ -1108,25 +1121,17 @@ class PostgresEngine:
     @contextlib.contextmanager
     def _transaction(self, deadline: float, *, guarded: bool) -> Iterator[_Tx]:
         """One transaction with the deadline as its statement and lock timeouts and, when
-        `guarded`, `_POSTGRES_GUARD` answered before anything writes: all of it goes out with
-        the transaction's first statements (`_PostgresTx`). A connection that fails that first
-        round trip (a restart broke the pool's idle ones) has the pool check the others, and
-        the transaction runs again: nothing of it reached the database."""
+        `guarded`, `_POSTGRES_GUARD` before any of its statements, all sent with the first of
+        them (`_PostgresTx`). A connection that breaks in that first round trip (a restart
+        broke the pool's idle ones) has the pool replace them all, and the transaction runs
+        again: nothing of it reached the database."""
         errors = self._psycopg.errors
-        tx = None
+        tx, connection = None, None
         try:
             with self._pool.connection(timeout=_deadline_left(deadline)) as connection:
-                left = max(1, int(_deadline_left(deadline) * 1000))
-                opening: list[_Statement] = [
-                    ("BEGIN", ()),
-                    (f"SET LOCAL statement_timeout = {left}", ()),
-                    (f"SET LOCAL lock_timeout = {left}", ()),
-                    *(_POSTGRES_GUARD if guarded else ()),
-                ]
-                tx = _PostgresTx(connection, opening, guarded)
+                tx = _PostgresTx(connection, deadline, guarded, errors.DivisionByZero)
                 try:
                     yield tx
-                    _deadline_left(deadline)  # past it, roll back: the caller was told 503
                     tx.commit()
                 except BaseException:
                     with contextlib.suppress(self._psycopg.Error):
@@ -1137,8 +1142,8 @@ class PostgresEngine:
         except (errors.QueryCanceled, errors.LockNotAvailable, self._pool_timeout):
             raise tactmem.StoreBusy() from None
         except self._psycopg.OperationalError:
-            if tx is not None and tx.fresh:
-                self._pool.check()
+            if tx is not None and tx.fresh and connection is not None and connection.broken:
+                self._pool.drain()  # a restart broke them all: new ones, and no round trip
                 raise _Again() from None
             raise tactmem.StoreBusy() from None
         except self._psycopg.Error:
@@ -1475,7 +1480,8 @@ class TeamStore:
                 )
                 for ns, versions in by_namespace.items()
             ]
-            _, fetched = self._prune(tx, now_ms, then=selects)  # with the search, when none is due
+            self._prune(tx, now_ms)  # first: a read locks its rows only after the prune's locks
+            fetched = tx.batch(selects)
             found: dict[tuple[str | None, int], Record] = {}
             for (ns, versions), rows in zip(by_namespace.items(), fetched, strict=True):
                 current = [
@@ -1960,9 +1966,10 @@ def _log_event(**fields: object) -> None:
 
 
 class _ForeignRecords(logging.Handler):
-    """uvicorn's and asyncio's own warnings and errors as JSON lines like every other: the
-    logger, the level, the first line of the message's template (never its arguments, which
-    may hold what a peer sent) and the class of an exception."""
+    """uvicorn's, asyncio's and psycopg's own warnings and errors (psycopg's pipeline warns when
+    a failed statement ends it early) as JSON lines like every other: the logger, the level,
+    the first line of the message's template (never its arguments, which may hold what a peer
+    sent) and the class of an exception."""
 
     def emit(self, record: logging.LogRecord) -> None:
         error = record.exc_info[1] if record.exc_info else None
@@ -2593,7 +2600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         http=_bounded_protocol(arguments.read_timeout, connections), ws="none",
     )  # fmt: skip
     config.load()  # uvicorn's own imports, before the port is said to answer, not under a request
-    for name in ("uvicorn", "asyncio"):
+    for name in ("uvicorn", "asyncio", "psycopg"):  # psycopg: also its pool's (`psycopg.pool`)
         foreign = logging.getLogger(name)
         foreign.setLevel(logging.WARNING)
         foreign.addHandler(_ForeignRecords())

@@ -2624,14 +2624,15 @@ def test_namespace_store_is_one_principals_backend(backend: list[str]) -> None:
         store.close()
 
 
-def test_postgresql_scans_reads_and_puts_take_two_two_and_three_round_trips(
+def test_postgresql_round_trips_a_scan_two_a_read_and_a_put_three(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each round trip is one pipeline (`_PostgresTx._send`, spied on, still sent). A warm scan:
     the opening with the prune's search and the counters, then its cards' telemetry with the
-    commit. A read: the same, its rows in place of the counters. A put: the opening with the
-    search; the namespace lock with the put's facts; its writes with the commit. Nothing writes
-    before the guard's count has come back."""
+    commit, under timeouts set to what is left of the deadline. A read: the opening with the
+    search, its rows (locked after any prune's locks), its telemetry with the commit. A put: the
+    opening with the search; the namespace lock with the put's facts; its writes with the
+    commit. The guard comes before the first statement of every transaction."""
     engine = tactmem_server.PostgresEngine(cluster.url(cluster.new_database()), pool_size=2)
     store = tactmem_server.TeamStore(engine)
     alice = tactmem_server.NamespaceStore(store, tactmem_server.Principal("alice", "writer"))
@@ -2648,21 +2649,60 @@ def test_postgresql_scans_reads_and_puts_take_two_two_and_three_round_trips(
         monkeypatch.setattr(tactmem_server._PostgresTx, "_send", counted)
         assert [c.key for c in alice.scan("deploy runbook").candidates] == [first.key]
         opening = ["BEGIN", "SET LOCAL", "SET LOCAL", "LOCK TABLE", "WITH ours"]
-        assert sent == [
-            [*opening, "SELECT namespace,", "SELECT namespace,"],  # the search, the counters
-            ["UPDATE memories", "COMMIT"],
-        ]
+        closing = ["SET LOCAL", "SET LOCAL", "UPDATE memories", "COMMIT"]
+        search = [*opening, "SELECT namespace,"]
+        assert sent == [[*search, "SELECT namespace,"], closing]  # with the counters
         sent.clear()
         alice.put("alice keeps the runbook in ops/runbook.md", replace=first.key)
-        assert len(sent) == 3 and sent[0] == [*opening, "SELECT namespace,"]
+        assert len(sent) == 3 and sent[0] == search
         assert sent[1][0] == "SELECT namespace,"  # the lock, with the facts after it
-        assert sent[2][-1] == "COMMIT" and not [s for s in sent[2] if s.startswith("SELECT")]
+        assert sent[2][:2] == ["SET LOCAL", "SET LOCAL"] and sent[2][-1] == "COMMIT"
+        assert not [statement for statement in sent[2] if statement.startswith("SELECT")]
         sent.clear()
-        assert alice.read([1])  # a read: its rows with the search, then its telemetry
-        assert sent == [
-            [*opening, "SELECT namespace,", "SELECT namespace,"],
-            ["UPDATE memories", "COMMIT"],
-        ]
+        assert alice.read([1])
+        assert sent == [search, ["SELECT namespace,"], closing]
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_a_postgresql_write_waiting_past_the_deadline_never_commits(cluster: Cluster) -> None:
+    """A write waits for the commit's round trip, which sets the timeouts to what is left of
+    the deadline: a delete that waited 1.5 s for its namespace's lock and then waits on its
+    row, which another transaction holds for 3 s, fails at its 2 s deadline and deletes
+    nothing (with the transaction's first timeouts it waited, and committed, at 3 s)."""
+    import psycopg
+
+    database = cluster.new_database()
+    store = tactmem_server.TeamStore(tactmem_server.PostgresEngine(cluster.url(database)))
+    alice = tactmem_server.NamespaceStore(store, tactmem_server.Principal("alice", "writer"))
+    key = alice.put("alice keeps the deploy runbook in ops/").key
+    held = threading.Barrier(3)
+
+    def hold(sql: str, seconds: float) -> None:
+        with psycopg.connect(cluster.dsn(database)) as connection:
+            connection.execute(sql)
+            held.wait()
+            time.sleep(seconds)
+
+    holders = [
+        threading.Thread(target=hold, args=(sql, seconds))
+        for sql, seconds in (
+            ("SELECT 1 FROM memory_namespaces WHERE namespace = 'alice' FOR UPDATE", 1.5),
+            ("SELECT 1 FROM memories WHERE namespace = 'alice' AND id = 1 FOR UPDATE", 3.0),
+        )
+    ]
+    try:
+        for holder in holders:
+            holder.start()
+        held.wait()
+        began = time.monotonic()
+        with pytest.raises(tactmem.StoreBusy):
+            store.delete("alice", tactmem.Key(key.id, key.version), began + 2.0)
+        assert time.monotonic() - began < 2.8
+        for holder in holders:
+            holder.join()
+        assert [record.key for record in alice.list()] == [key]
     finally:
         store.close()
 
