@@ -16,15 +16,12 @@ after/before. Run it on an otherwise idle machine: both sides share its cores wi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,26 +36,11 @@ HERE = Path(__file__).resolve().parent
 FIGURES = ("first scan", "1 client p50", "8 clients p50", "8 clients scans/s")
 
 
-def start(
-    checkout: str, database: list[str], credentials: str
-) -> tuple[subprocess.Popen[str], str]:
-    """A server from this checkout, and its URL once it says it listens."""
-    env = dict(os.environ, PYTHONPATH=f"{checkout}{os.pathsep}{checkout}/server")
-    command = [sys.executable, "-m", "tactmem_server", *database, "--credentials", credentials]
-    process = subprocess.Popen(
-        [*command, "--port", "0"], stderr=subprocess.PIPE, text=True, env=env, cwd=checkout
-    )
-    assert process.stderr is not None
-    line = process.stderr.readline()
-    threading.Thread(target=process.stderr.read, daemon=True).start()  # keep the pipe drained
-    return process, json.loads(line)["url"]
-
-
 def one_side(
     checkout: str, database: list[str], credentials: str, namespaces: list[str], requests: int
 ) -> dict[str, float]:
     queries = bench.build_queries(random.Random(bench.SEED))
-    process, url = start(checkout, database, credentials)
+    process, url, _ = server_bench.start_server(database, credentials, checkout)
     try:
         began = time.perf_counter()
         server_bench.Connection(url, namespaces[0]).post(
@@ -84,7 +66,7 @@ def compare(
             "".join(entry.format(ns, server_bench.TOKEN.format(ns)) for ns in namespaces)
         )
         os.chmod(credentials, 0o600)
-        process, url = start(checkouts[0], database, credentials)
+        process, url, _ = server_bench.start_server(database, credentials, checkouts[0])
         try:
             for n, ns in enumerate(namespaces):
                 corpus = bench.build_corpus(random.Random(bench.SEED + n))

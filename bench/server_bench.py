@@ -148,12 +148,18 @@ class Connection:
 
 
 def start_server(
-    arguments: list[str], credentials: str
+    arguments: list[str], credentials: str, checkout: str | None = None
 ) -> tuple[subprocess.Popen[str], str, float]:
-    """A server process, its URL, and the seconds from its start to its "listening" line."""
+    """A server process (from `checkout`'s `tactmem.py` and `server/`, when given), its URL,
+    and the seconds from its start to its "listening" line."""
     command = [sys.executable, "-m", "tactmem_server", *arguments, "--credentials", credentials]
+    env = None
+    if checkout is not None:
+        env = dict(os.environ, PYTHONPATH=f"{checkout}{os.pathsep}{checkout}/server")
     began = time.perf_counter()
-    process = subprocess.Popen([*command, "--port", "0"], stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [*command, "--port", "0"], stderr=subprocess.PIPE, text=True, env=env, cwd=checkout
+    )
     assert process.stderr is not None
     line = process.stderr.readline()
     listening = time.perf_counter() - began

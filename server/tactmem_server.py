@@ -1389,10 +1389,10 @@ class TeamStore:
             cards = [(_doc_key(card.key.id), card) for card in plan.result.candidates]
             keys = [(ns, doc_id, card.key.version) for (ns, doc_id), card in cards]
             if keys:  # every card's row in one statement, each found by its primary key
-                rows = " OR ".join(["(namespace = ? AND id = ? AND version = ?)"] * len(keys))
+                each = " OR ".join(["(namespace = ? AND id = ? AND version = ?)"] * len(keys))
                 tx.run(
                     "UPDATE memories SET last_scanned_at_ms = ?,"
-                    f" scan_count = {_CAPPED.format('scan_count')} WHERE {rows}",
+                    f" scan_count = {_CAPPED.format('scan_count')} WHERE {each}",
                     [now_ms, *itertools.chain.from_iterable(keys)],
                 )
             return [
@@ -1428,7 +1428,7 @@ class TeamStore:
         given them, `_COUNTERS` read in this transaction) and compares them whole; only
         namespaces whose counter moved are fetched, and only their rows are changed."""
         if found is None:
-            found = tx.rows(_COUNTERS[0])
+            found = tx.rows(*_COUNTERS)
         if found == self._counters:
             return
         counters = {  # a namespace no credential can name holds a foreign writer's rows only
@@ -1470,16 +1470,16 @@ class TeamStore:
         by_namespace: dict[str, dict[int, int]] = {}  # namespace -> id -> version (0: any)
         for key in wanted:
             by_namespace.setdefault(str(key.namespace), {})[key.id] = key.version
+        selects = [
+            (
+                f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?"
+                f" AND id IN ({_marks(len(versions))}) ORDER BY id{self.engine.lock_sql}",
+                [ns, *versions],
+            )
+            for ns, versions in by_namespace.items()
+        ]
 
         def operation(tx: _Tx) -> list[dict[str, Any]]:
-            selects = [
-                (
-                    f"SELECT {_COLUMNS} FROM memories WHERE namespace = ?"
-                    f" AND id IN ({_marks(len(versions))}) ORDER BY id{self.engine.lock_sql}",
-                    [ns, *versions],
-                )
-                for ns, versions in by_namespace.items()
-            ]
             self._prune(tx, now_ms)  # first: a read locks its rows only after the prune's locks
             fetched = tx.batch(selects)
             found: dict[tuple[str | None, int], Record] = {}
