@@ -10,7 +10,8 @@ abstention candidate of fixtures/eval/retrieval/PREREGISTRATION.md, it applies t
 the ranking's at 0 and costs no category more than 0.10) and prints the operating point, its
 recall@5 and false retrieval, with recall@5 per category at 0. `--tactmem DIR` imports the
 `tactmem.py` in DIR instead of this checkout's (a copy with a ranking candidate applied, such
-as T1). `--only B2 --at 0.28 0.30` scores one candidate at a fixed point and nothing else (the
+as T1). `--rerank R1` orders each scan's cards by score x coverage (the seventh round) before
+anything is scored. `--only B2 --at 0.28 0.30` scores one candidate at a fixed point and nothing else (the
 kept-out set is scored so, once per accepted candidate: rule 4). Public names only; nothing
 here is a target.
 """
@@ -217,6 +218,11 @@ CANDIDATES: dict[str, tuple[Feature, list[float]]] = {
     "A8 unknown missing terms count half": (missing(known=1.0, unknown=0.5), SHARES),
     "A9 coverage by count": (by_count, SHARES),
 }
+RERANK: dict[str, Feature] = {  # the seventh round: cards ordered by score x this
+    "R1": lambda scan, card: card[2],
+    "R2": lambda scan, card: card[2] ** 2,
+    "R3": by_count,
+}
 Keep = Callable[[Scan, int, Card], bool]  # is the card at this rank kept?
 Rule = Callable[[float, float], Keep]  # a two-parameter rule at (t, u)
 A5 = ratio(known_only=True)
@@ -299,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ranking", action="store_true", help="the ranking's figures and A0's point only"
     )
     parser.add_argument("--lexicon", help="A10's lexicon (bench/candidates/lexicon.txt)")
+    parser.add_argument("--rerank", choices=sorted(RERANK), help="a seventh-round order (R1)")
     arguments = parser.parse_args(argv)
     if bool(arguments.only) != bool(arguments.at):
         parser.error("--only and --at go together")
@@ -311,6 +318,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             SHARES,
         )
     scans = [scan for path in arguments.files for scan in replay(tactmem, path)]
+    if arguments.rerank:
+        weight = RERANK[arguments.rerank]
+        scans = [
+            scan._replace(cards=sorted(scan.cards, key=lambda c: -c[1] * weight(scan, c)))
+            for scan in scans
+        ]  # a stable sort: ties stay in BM25 order
     base, _, per = figures(scans, floor(CANDIDATES["A0 coverage"][0], 0.0))
     print(f"{len(scans)} scans from {tactmem.__file__}; recall@5 at 0: {base:.3f}")
     print("  " + ", ".join(f"{name} {value:.3f}" for name, value in sorted(per.items())))
