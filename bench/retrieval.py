@@ -10,8 +10,9 @@ abstention candidate of fixtures/eval/retrieval/PREREGISTRATION.md, it applies t
 the ranking's at 0 and costs no category more than 0.10) and prints the operating point, its
 recall@5 and false retrieval, with recall@5 per category at 0. `--tactmem DIR` imports the
 `tactmem.py` in DIR instead of this checkout's (a copy with a ranking candidate applied, such
-as T1). `--rerank R1` orders each scan's cards by score x coverage (the seventh round) before
-anything is scored. `--only B2 --at 0.28 0.30` scores one candidate at a fixed point and nothing else (the
+as T1). `--rerank R1` orders the cards each threshold keeps by score x coverage (the seventh
+round; a stable sort, ties in BM25 order), `--window 20` only the first 20 of them (R3 as
+implemented). `--only B2 --at 0.28 0.30` scores one candidate at a fixed point and nothing else (the
 kept-out set is scored so, once per accepted candidate: rule 4). Public names only; nothing
 here is a target.
 """
@@ -88,7 +89,7 @@ def scored(
     store.scan(step["query"], now_ms=now)  # brings the statistics up to date
     corpus, terms = core.store_corpus(store), core.query_terms(step["query"])
     ranked = corpus.rank(terms, len(corpus.counts))
-    coverage = corpus.coverage(terms) if ranked else None
+    coverage = covering(corpus, terms) if ranked else None
     n = len(corpus.counts)
     df = {term: len(corpus.postings.get(term, {})) for term in terms}
     idf = {term: math.log(1 + (n - df[term] + 0.5) / (df[term] + 0.5)) for term in terms}
@@ -108,6 +109,15 @@ def scored(
     ]
     category, note = step.get("category", "uncategorized"), step.get("note", "")
     return Scan(category, note, relevant, subject, idf, df, cards)
+
+
+def covering(corpus: Any, terms: list[str]) -> Callable[[int], float]:
+    """Each document's coverage: `evidence`'s first figure, or `coverage` in a copy from before
+    the seventh round (the candidate patches under `bench/candidates/` are against one)."""
+    if not hasattr(corpus, "evidence"):
+        return corpus.coverage(terms)  # type: ignore[no-any-return]
+    evidence = corpus.evidence(terms)
+    return lambda doc_id: evidence(doc_id)[0]
 
 
 def held(core: Any, subject: list[str], counts: dict[str, int]) -> frozenset[str]:
@@ -223,6 +233,8 @@ RERANK: dict[str, Feature] = {  # the seventh round: cards ordered by score x th
     "R2": lambda scan, card: card[2] ** 2,
     "R3": by_count,
 }
+Order = Callable[[Scan, list[Card]], list[Card]]  # the cards a threshold keeps, in card order
+ORDER: list[Order] = [lambda scan, cards: cards]  # BM25's, unless --rerank
 Keep = Callable[[Scan, int, Card], bool]  # is the card at this rank kept?
 Rule = Callable[[float, float], Keep]  # a two-parameter rule at (t, u)
 A5 = ratio(known_only=True)
@@ -259,12 +271,8 @@ def figures(scans: Sequence[Scan], keep: Keep) -> Figures:
     recall, false, per = [], [], defaultdict[str, list[float]](list)
     for scan in scans:
         wanted = 5 if scan.relevant else 1  # a scan without an answer needs one card to fail
-        top = []
-        for rank, card in enumerate(scan.cards):
-            if keep(scan, rank, card):
-                top.append(card[0])
-                if len(top) == wanted:
-                    break
+        passing = [card for rank, card in enumerate(scan.cards) if keep(scan, rank, card)]
+        top = [card[0] for card in ORDER[0](scan, passing)[:wanted]]
         if scan.relevant:
             found = len(scan.relevant.intersection(top)) / len(scan.relevant)
             recall.append(found)
@@ -281,7 +289,7 @@ def kinds(scans: Sequence[Scan]) -> dict[str, float]:
     for scan in scans:
         if scan.category == "paraphrase" and scan.relevant:
             kind = scan.note.removeprefix("kind: ").split()[0] if "kind:" in scan.note else ""
-            top = {card[0] for card in scan.cards[:5]}
+            top = {card[0] for card in ORDER[0](scan, scan.cards)[:5]}
             found[kind or "unlabelled"].append(len(scan.relevant & top) / len(scan.relevant))
     return {kind: sum(values) / len(values) for kind, values in sorted(found.items())}
 
@@ -290,9 +298,10 @@ def confusion(scans: Sequence[Scan]) -> tuple[int, int]:
     """Cross-workspace confusion at 0: the `workspace` scans whose first card is not a relevant
     record, and how many `workspace` scans there are."""
     named = [scan for scan in scans if scan.category == "workspace" and scan.relevant]
-    return sum(not scan.cards or scan.cards[0][0] not in scan.relevant for scan in named), len(
-        named
-    )
+    wrong = [
+        not (top := ORDER[0](scan, scan.cards)) or top[0][0] not in scan.relevant for scan in named
+    ]
+    return sum(wrong), len(named)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -306,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--lexicon", help="A10's lexicon (bench/candidates/lexicon.txt)")
     parser.add_argument("--rerank", choices=sorted(RERANK), help="a seventh-round order (R1)")
+    parser.add_argument(
+        "--window", type=int, default=0, help="--rerank orders only the first N kept cards"
+    )
     arguments = parser.parse_args(argv)
     if bool(arguments.only) != bool(arguments.at):
         parser.error("--only and --at go together")
@@ -319,11 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     scans = [scan for path in arguments.files for scan in replay(tactmem, path)]
     if arguments.rerank:
-        weight = RERANK[arguments.rerank]
-        scans = [
-            scan._replace(cards=sorted(scan.cards, key=lambda c: -c[1] * weight(scan, c)))
-            for scan in scans
-        ]  # a stable sort: ties stay in BM25 order
+        weight, window = RERANK[arguments.rerank], arguments.window or None
+        ORDER[0] = lambda scan, cards: sorted(cards[:window], key=lambda c: -c[1] * weight(scan, c))
     base, _, per = figures(scans, floor(CANDIDATES["A0 coverage"][0], 0.0))
     print(f"{len(scans)} scans from {tactmem.__file__}; recall@5 at 0: {base:.3f}")
     print("  " + ", ".join(f"{name} {value:.3f}" for name, value in sorted(per.items())))
