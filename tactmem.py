@@ -851,25 +851,14 @@ def _word_runs(text: str) -> list[str]:
     """Maximal runs of word characters; combining marks continue a run, never start one."""
     if text.isascii():
         return text.translate(_ASCII_SEPARATORS).split()  # the common case, in C
-    if not any(
-        unicodedata.category(char) in _COMBINING_MARKS
+    marks = "".join(
+        char
         for char in set(_NON_ASCII_SEPARATOR.findall(text))
-    ):
+        if unicodedata.category(char) in _COMBINING_MARKS
+    )
+    if not marks:
         return _WORD_RUN.findall(text)  # no mark outside a word, so no run to continue
-    runs = []
-    start = -1
-    for index, char in enumerate(text):
-        if _WORD_CHAR.match(char) or (
-            start >= 0 and unicodedata.category(char) in _COMBINING_MARKS
-        ):
-            if start < 0:
-                start = index
-        elif start >= 0:
-            runs.append(text[start:index])
-            start = -1
-    if start >= 0:
-        runs.append(text[start:])
-    return runs
+    return re.findall(f"[{_WORD_CLASS}][{_WORD_CLASS}{marks}]*", text)  # those marks continue a run
 
 
 def _components(run: str) -> Iterator[str]:
@@ -1695,15 +1684,13 @@ class _Corpus:
         margin, scores, closed = rest[0] * 1e-9, dict[int, float](), False
         for step, i in enumerate(order):
             if not closed and rest[0] - rest[step] > rest[step]:  # else none can beat the rest
-                floor = self._kth(scores, limit) - margin
-                closed = floor > rest[step]
-            if not closed:
+                closed = self._kth(scores, limit) - margin > rest[step]
+            if closed:  # the floor only rises: a partial score only grows
+                lookup, cut = bounds[i][1], self._kth(scores, limit) - margin - rest[step]
+                scores = {p: s + lookup.get(p, 0.0) for p, s in scores.items() if s >= cut}
+            else:
                 for position, weight in zip(*found[i][:2], strict=True):
                     scores[position] = scores.get(position, 0.0) + weight
-                continue
-            lookup, cut = bounds[i][1], floor - rest[step]
-            scores = {p: s + lookup.get(p, 0.0) for p, s in scores.items() if s >= cut}
-            floor = self._kth(scores, limit) - margin  # a partial score only grows
         floor = self._kth(scores, limit) - margin
         lookups, kept = [b[1] for b in bounds], [p for p, s in scores.items() if s >= floor]
         exact = {
@@ -1734,10 +1721,8 @@ class _Corpus:
         k1_plus_1 = _BM25_K1 + 1
         positions = list(map(self._positions.__getitem__, posting))
         weights = [
-            idf * tf * k1_plus_1 / (tf + norm)
-            for tf, norm in zip(
-                posting.values(), map(self._norms.__getitem__, positions), strict=True
-            )
+            idf * tf * k1_plus_1 / (tf + self._norms[position])
+            for tf, position in zip(posting.values(), positions, strict=True)
         ]
         self._weights[term] = (positions, weights, idf)
         return positions, weights, idf
@@ -2045,11 +2030,10 @@ def _check_put(content: str, replace: Key | None, limits: Limits, now_ms: int) -
         raise ContentTooLarge(limits.content_bytes)
     if _unstorable(content):
         raise InvalidRequest("memory content must not hold a NUL character")
-    identity = normalized_identity(content)
     rule = find_secret(content)
     if rule is not None:
         raise SecretRejected(rule)
-    return _Put(content, identity, size, replace, now_ms)
+    return _Put(content, normalized_identity(content), size, replace, now_ms)
 
 
 class _PutState(NamedTuple):
@@ -2215,12 +2199,10 @@ def _strict_key(value: object, what: str, optional: tuple[str, ...] = ()) -> Key
     key = Key(
         _strict_int(value["id"], f"{what} id"), _strict_int(value["version"], f"{what} version")
     )
-    return key if value.get("namespace") is None else _strict_namespaced(key, value, what)
-
-
-def _strict_namespaced(key: Key, value: Mapping[str, Any], what: str) -> RemoteKey:
+    if value.get("namespace") is None:
+        return key
     try:
-        return RemoteKey(key.id, key.version, _check_namespace(value.get("namespace")))
+        return RemoteKey(key.id, key.version, _check_namespace(value["namespace"]))
     except ConfigError:
         raise InvalidRequest(f"memory {what} namespace {_NAMESPACE_RULE}") from None
 
@@ -2345,8 +2327,7 @@ def _answer(request: _Request, value: Any) -> dict[str, Any]:
         return {"operation": "read", "memories": _to_json(list(value))}
     if request.operation == "put":
         return {"operation": "put", "memory": _to_json(value), "replaced": request.key is not None}
-    assert request.key is not None
-    return {"operation": "delete", "id": request.key.id}
+    return {"operation": "delete", "id": value.id}  # `_execute` gives the key it deleted
 
 
 def _error_answer(error: TactmemError) -> dict[str, Any]:
@@ -2771,8 +2752,7 @@ _WIDE: Final = re.compile("[\u3248-\u324f\u4dc0-\u4dff\U0001f3fb-\U0001f3ff]")
 
 def _cell_width(char: str) -> int:
     """Terminal cells a character may take; when terminals disagree, the larger count."""
-    category = unicodedata.category(char)
-    if category in ("Mn", "Me", "Cf") and char != "\ufe0f":
+    if unicodedata.category(char) in ("Mn", "Me", "Cf") and char != "\ufe0f":
         return 0
     return 2 if unicodedata.east_asian_width(char) in ("W", "F") or _WIDE.match(char) else 1
 
@@ -2782,10 +2762,7 @@ def _fit(text: str, width: int) -> str:
     cells = [_cell_width(char) for char in text]
     if sum(cells) <= width:
         return text
-    used, end = 0, 0
-    while end < len(text) and used + cells[end] <= width - 1:
-        used += cells[end]
-        end += 1
+    end = sum(used <= width - 1 for used in itertools.accumulate(cells))  # room for the `…`
     return text[:end] + "…" if width >= 1 else ""
 
 
@@ -3111,8 +3088,6 @@ def _cache_header() -> bytes | None:
     """The header naming this build and the Unicode database its tokenizer and secret rules
     read (every interpreter an agent runs shares the store), or None (no cache) when the
     source cannot be read, or is not the one imported (an upgrade replaced it since)."""
-    import json
-
     try:
         with open(__file__, "rb") as source:
             if _source_stamp(source.fileno()) != _IMPORTED_SOURCE:
@@ -3120,7 +3095,7 @@ def _cache_header() -> bytes | None:
             build = _digest(source.read())  # as of its text, when the source is UTF-8
     except (OSError, TypeError, NameError):
         return None
-    return json.dumps(["tactmem-cache", 1, build, unicodedata.unidata_version]).encode() + b"\n"
+    return _json(["tactmem-cache", 1, build, unicodedata.unidata_version]).encode() + b"\n"
 
 
 def _cache_line(body: bytes) -> bytes:
@@ -3595,14 +3570,13 @@ class Store:
         """The connection in `BEGIN IMMEDIATE`, on the file now at the path: one removed or
         replaced while this waited for the lock (another store's failed first use takes its
         file away, `_unmake`) is opened anew, instead of failing as SQLite's read-only."""
-        connection = self._connect()
-        _begin_immediate(connection)
-        while _file_identity(self.path) != self._file:
-            connection.execute("ROLLBACK")
-            self._close_connection()
+        while True:
             connection = self._connect()
             _begin_immediate(connection)
-        return connection
+            if _file_identity(self.path) == self._file:
+                return connection
+            connection.execute("ROLLBACK")
+            self._close_connection()
 
     def _prune(self, connection: sqlite3.Connection, now_ms: int) -> None:
         """Drop what `_expired` names, passing over the rows only when the totals are unknown
