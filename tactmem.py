@@ -3436,7 +3436,8 @@ class Store:
     ) -> ScanResult:
         """Cards of the visible records (`_plan_scan`); only those returned get scan telemetry."""
         terms, floor = _scan_terms(query, self.limits), _check_min_coverage(min_coverage)
-        now, statistics = _now_ms(now_ms), self._statistics
+        now = _now_ms(now_ms)
+        statistics = self._statistics
         with self._transaction(prune_at=now) as connection:
             statistics.sync(connection)
             plan = _plan_scan(statistics.corpus, terms, limit, self.limits, floor)
