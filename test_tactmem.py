@@ -655,11 +655,11 @@ def test_coverage_is_the_root_idf_share_of_the_subject_terms_held() -> None:
         return math.sqrt(math.log(1 + (3 - df + 0.5) / (df + 0.5)))
 
     everything = weight(2) + weight(0) + weight(1)  # ledgerline, migration, run
-    assert corpus.evidence(terms)(1) == ((weight(2) + weight(0) + weight(1)) / everything, 1.0)
-    assert corpus.evidence(terms)(2) == (weight(2) / everything, 1 / 3)
+    assert corpus.coverage(terms)(1) == (weight(2) + weight(0) + weight(1)) / everything
+    assert corpus.coverage(terms)(2) == weight(2) / everything
     only_grammar = tactmem._query_terms("how does the")
     corpus.rank(only_grammar, 3)
-    assert corpus.evidence(only_grammar)(3) == (weight(1) / (weight(0) * 2 + weight(1)), 1 / 3)
+    assert corpus.coverage(only_grammar)(3) == weight(1) / (weight(0) * 2 + weight(1))
     assert tactmem._stem("migrations") == tactmem._stem("migration") == "migr"
     assert tactmem._stem("tags") == "tags" and tactmem._stem("日本語") == "日本語"
 
