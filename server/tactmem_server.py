@@ -1053,11 +1053,16 @@ class _PostgresTx:
         return [cursor.fetchall() if cursor.description else [] for cursor in cursors]
 
 
+_TIMEOUTS: Final = (  # `SET LOCAL` both, in one statement of the pipeline instead of two
+    "SELECT set_config('statement_timeout', ?, true), set_config('lock_timeout', ?, true)"
+)
+
+
 def _timeouts(deadline: float) -> list[_Statement]:
     """What is left of the deadline as the transaction's statement and lock timeouts (whole
     milliseconds, at least 1); past it, `StoreBusy`."""
-    left = max(1, int(_deadline_left(deadline) * 1000))
-    return [(f"SET LOCAL statement_timeout = {left}", ()), (f"SET LOCAL lock_timeout = {left}", ())]
+    left = str(max(1, int(_deadline_left(deadline) * 1000)))
+    return [(_TIMEOUTS, [left, left])]
 
 
 def _reads(statement: _Statement) -> bool:

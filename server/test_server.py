@@ -2648,16 +2648,17 @@ def test_postgresql_round_trips_a_scan_two_a_read_and_a_put_three(
         assert alice.scan("deploy").candidates  # the corpus is built: the next scan is warm
         monkeypatch.setattr(tactmem_server._PostgresTx, "_send", counted)
         assert [c.key for c in alice.scan("deploy runbook").candidates] == [first.key]
-        opening = ["BEGIN", "SET LOCAL", "SET LOCAL", "LOCK TABLE", "WITH ours"]
-        closing = ["SET LOCAL", "SET LOCAL", "UPDATE memories", "COMMIT"]
+        timeouts = "SELECT set_config('statement_timeout',"  # and lock_timeout, one statement
+        opening = ["BEGIN", timeouts, "LOCK TABLE", "WITH ours"]
+        closing = [timeouts, "UPDATE memories", "COMMIT"]
         search = [*opening, "SELECT namespace,"]
         assert sent == [[*search, "SELECT namespace,"], closing]  # with the counters
         sent.clear()
         alice.put("alice keeps the runbook in ops/runbook.md", replace=first.key)
         assert len(sent) == 3 and sent[0] == search
         assert sent[1][0] == "SELECT namespace,"  # the lock, with the facts after it
-        assert sent[2][:2] == ["SET LOCAL", "SET LOCAL"] and sent[2][-1] == "COMMIT"
-        assert not [statement for statement in sent[2] if statement.startswith("SELECT")]
+        assert sent[2][0] == timeouts and sent[2][-1] == "COMMIT"
+        assert not [statement for statement in sent[2][1:] if statement.startswith("SELECT")]
         sent.clear()
         assert alice.read([1])
         assert sent == [search, ["SELECT namespace,"], closing]
