@@ -10,11 +10,12 @@ abstention candidate of fixtures/eval/retrieval/PREREGISTRATION.md, it applies t
 the ranking's at 0 and costs no category more than 0.10) and prints the operating point, its
 recall@5 and false retrieval, with recall@5 per category at 0. `--tactmem DIR` imports the
 `tactmem.py` in DIR instead of this checkout's (a copy with a ranking candidate applied, such
-as T1). `--rerank R1` orders the cards each threshold keeps by score x coverage (the seventh
-round; a stable sort, ties in BM25 order), `--window 20` only the first 20 of them (R3 as
-implemented). `--only B2 --at 0.28 0.30` scores one candidate at a fixed point and nothing else (the
-kept-out set is scored so, once per accepted candidate: rule 4). Public names only; nothing
-here is a target.
+as T1). `--rerank R3` orders the cards each threshold keeps by score x the share of the
+subject terms held (the seventh round's R1 to R3; a stable sort, ties in BM25 order), and with
+`--window 20` only the first 20 of them (R3 as it was implemented, then reverted).
+`--only B2 --at 0.28 0.30` scores one candidate at a fixed point and nothing else (the kept-out
+set is scored so, once per accepted candidate: rule 4). Public names only; nothing here is a
+target.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def scored(
     store.scan(step["query"], now_ms=now)  # brings the statistics up to date
     corpus, terms = core.store_corpus(store), core.query_terms(step["query"])
     ranked = corpus.rank(terms, len(corpus.counts))
-    coverage = covering(corpus, terms) if ranked else None
+    coverage = corpus.coverage(terms) if ranked else None
     n = len(corpus.counts)
     df = {term: len(corpus.postings.get(term, {})) for term in terms}
     idf = {term: math.log(1 + (n - df[term] + 0.5) / (df[term] + 0.5)) for term in terms}
@@ -109,15 +110,6 @@ def scored(
     ]
     category, note = step.get("category", "uncategorized"), step.get("note", "")
     return Scan(category, note, relevant, subject, idf, df, cards)
-
-
-def covering(corpus: Any, terms: list[str]) -> Callable[[int], float]:
-    """Each document's coverage: `evidence`'s first figure, or `coverage` in a copy from before
-    the seventh round (the candidate patches under `bench/candidates/` are against one)."""
-    if not hasattr(corpus, "evidence"):
-        return corpus.coverage(terms)  # type: ignore[no-any-return]
-    evidence = corpus.evidence(terms)
-    return lambda doc_id: evidence(doc_id)[0]
 
 
 def held(core: Any, subject: list[str], counts: dict[str, int]) -> frozenset[str]:
