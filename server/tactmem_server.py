@@ -1005,7 +1005,10 @@ class _PostgresTx:
         self.connection, self.deadline = connection, deadline
         self.fresh = True
         guard = _POSTGRES_GUARD if guarded else ()
-        self._opening = [("BEGIN", ()), *_timeouts(deadline), *guard]
+        # READ COMMITTED whatever the database's default: under REPEATABLE READ the timeouts'
+        # SELECT would take the snapshot before the lock, and the guard would not see a
+        # trigger committed while the lock was awaited
+        self._opening = [("BEGIN ISOLATION LEVEL READ COMMITTED", ()), *_timeouts(deadline), *guard]
         self._refused = refused  # the error the guard fails with
         self._writes: list[_Statement] = []
 

@@ -2649,7 +2649,7 @@ def test_postgresql_round_trips_a_scan_two_a_read_and_a_put_three(
         monkeypatch.setattr(tactmem_server._PostgresTx, "_send", counted)
         assert [c.key for c in alice.scan("deploy runbook").candidates] == [first.key]
         timeouts = "SELECT set_config('statement_timeout',"  # and lock_timeout, one statement
-        opening = ["BEGIN", timeouts, "LOCK TABLE", "WITH ours"]
+        opening = ["BEGIN ISOLATION", timeouts, "LOCK TABLE", "WITH ours"]
         closing = [timeouts, "UPDATE memories", "COMMIT"]
         search = [*opening, "SELECT namespace,"]
         assert sent == [[*search, "SELECT namespace,"], closing]  # with the counters
@@ -2664,6 +2664,50 @@ def test_postgresql_round_trips_a_scan_two_a_read_and_a_put_three(
         assert sent == [search, ["SELECT namespace,"], closing]
     finally:
         store.close()
+
+
+def test_the_postgresql_guard_sees_a_trigger_committed_while_it_waited_for_the_lock(
+    cluster: Cluster,
+) -> None:
+    """On a database whose default isolation is REPEATABLE READ, a trigger created (and not
+    yet committed) by another session holds the tables; a transaction waits for them at its
+    guard's lock, the trigger commits, and the guard still finds it: the server's
+    transactions are READ COMMITTED, so their first snapshot is taken after the lock (with
+    the database's default, the timeouts' SELECT took it before, and the trigger would run)."""
+    import psycopg
+
+    database = cluster.new_database()
+    with psycopg.connect(cluster.dsn(database), autocommit=True) as admin:
+        admin.execute(
+            f"ALTER DATABASE {database} SET default_transaction_isolation = 'repeatable read'"
+        )
+    engine = tactmem_server.PostgresEngine(cluster.url(database), pool_size=1)
+    outcome: list[object] = []
+
+    def transaction() -> None:
+        try:
+            with engine.transaction(time.monotonic() + 10) as tx:
+                outcome.append(tx.rows("SELECT 1"))
+        except tactmem.TactmemError as error:
+            outcome.append(error)
+
+    try:
+        with engine.transaction(time.monotonic() + 10) as tx:  # the tables, created
+            assert tx.rows("SELECT 1") == [(1,)]
+        with psycopg.connect(cluster.dsn(database), autocommit=True) as other:
+            other.execute("BEGIN")
+            for statement in POSTGRES_PLANTED["a trigger"]:
+                other.execute(statement)
+            waiting = threading.Thread(target=transaction)
+            waiting.start()
+            time.sleep(0.5)  # it waits on the guard's LOCK TABLE
+            assert not outcome
+            other.execute("COMMIT")
+            waiting.join(10)
+        assert len(outcome) == 1 and isinstance(outcome[0], tactmem.StorageError), outcome
+        assert "trigger" in str(outcome[0])
+    finally:
+        engine.close()
 
 
 @pytest.mark.slow
