@@ -2700,8 +2700,15 @@ def test_the_postgresql_guard_sees_a_trigger_committed_while_it_waited_for_the_l
                 other.execute(statement)
             waiting = threading.Thread(target=transaction)
             waiting.start()
-            time.sleep(0.5)  # it waits on the guard's LOCK TABLE
-            assert not outcome
+            lock_wait = (
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+            for _ in range(100):  # until it waits on the guard's LOCK TABLE
+                if other.execute(lock_wait).fetchone() == (1,):
+                    break
+                time.sleep(0.05)
+            assert not outcome and other.execute(lock_wait).fetchone() == (1,)
             other.execute("COMMIT")
             waiting.join(10)
         assert len(outcome) == 1 and isinstance(outcome[0], tactmem.StorageError), outcome
