@@ -118,7 +118,6 @@ _WORD_CLASS: Final = (
     "\\w\u24b6-\u24e9\U0001f130-\U0001f149\U0001f150-\U0001f169\U0001f170-\U0001f189"
 )
 _WORD_RUN: Final = re.compile(f"[{_WORD_CLASS}]+")
-_WORD_CHAR: Final = re.compile(f"[{_WORD_CLASS}]")
 # Runs joined by single `-`, `.` or `/` (`windrose-sdk`, `config/app.yaml`): one more token each.
 _COMPOUND: Final = re.compile(f"(?<![{_WORD_CLASS}])[{_WORD_CLASS}]++(?:[-./][{_WORD_CLASS}]++)+")
 # ASCII separators to spaces: an ASCII text's runs are then `text.translate(...).split()`.

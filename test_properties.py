@@ -205,6 +205,9 @@ def reference_ascii_tokens(text: str) -> list[str]:
     return tokens
 
 
+WORD_CHAR = re.compile(f"[{tactmem._WORD_CLASS}]")  # one word character, as the tokenizer has them
+
+
 def compounds_char_by_char(text: str) -> list[str]:
     """SPEC §2.2's compounds (issue 28's T2), one character at a time: maximal chains of two or
     more runs of word characters, each joined to the next by exactly one `-`, `.` or `/`."""
@@ -213,11 +216,11 @@ def compounds_char_by_char(text: str) -> list[str]:
     runs = 0
     index = 0
     while index < len(text):
-        if not tactmem._WORD_CHAR.match(text[index]):
+        if not WORD_CHAR.match(text[index]):
             index += 1
             continue
         run_start = index
-        while index < len(text) and tactmem._WORD_CHAR.match(text[index]):
+        while index < len(text) and WORD_CHAR.match(text[index]):
             index += 1
         if runs and run_start == end + 1 and text[end] in "-./":
             runs, end = runs + 1, index
@@ -258,9 +261,7 @@ def _runs_char_by_char(text: str) -> list[str]:
     runs: list[str] = []
     current = ""
     for char in text:
-        if tactmem._WORD_CHAR.match(char) or (
-            current and unicodedata.category(char) in ("Mn", "Mc")
-        ):
+        if WORD_CHAR.match(char) or (current and unicodedata.category(char) in ("Mn", "Mc")):
             current += char
         elif current:
             runs.append(current)
