@@ -12,7 +12,8 @@ recall@5 and false retrieval, with recall@5 per category at 0. `--tactmem DIR` i
 `tactmem.py` in DIR instead of this checkout's (a copy with a ranking candidate applied, such
 as T1). `--rerank R3` orders the cards each threshold keeps by score x the share of the
 subject terms held (the seventh round's R1 to R3; a stable sort, ties in BM25 order), and with
-`--window 20` only the first 20 of them (R3 as it was implemented, then reverted).
+`--window 20` only the first 20 of them (R3 as it was implemented, then reverted). `--gate`
+makes a threshold keep all of a scan's cards when any reaches it, else none (the ninth round).
 `--only B2 --at 0.28 0.30` scores one candidate at a fixed point and nothing else (the kept-out
 set is scored so, once per accepted candidate: rule 4). Public names only; nothing here is a
 target.
@@ -227,6 +228,7 @@ RERANK: dict[str, Feature] = {  # the seventh round: cards ordered by score x th
 }
 Order = Callable[[Scan, list[Card]], list[Card]]  # the cards a threshold keeps, in card order
 ORDER: list[Order] = [lambda scan, cards: cards]  # BM25's, unless --rerank
+GATE = False  # --gate: a threshold keeps a scan's cards (all of them) or none, not card by card
 Keep = Callable[[Scan, int, Card], bool]  # is the card at this rank kept?
 Rule = Callable[[float, float], Keep]  # a two-parameter rule at (t, u)
 A5 = ratio(known_only=True)
@@ -264,6 +266,8 @@ def figures(scans: Sequence[Scan], keep: Keep) -> Figures:
     for scan in scans:
         wanted = 5 if scan.relevant else 1  # a scan without an answer needs one card to fail
         passing = [card for rank, card in enumerate(scan.cards) if keep(scan, rank, card)]
+        if GATE and passing:  # the ninth round: a scan keeps all its cards, or none
+            passing = list(scan.cards)
         top = [card[0] for card in ORDER[0](scan, passing)[:wanted]]
         if scan.relevant:
             found = len(scan.relevant.intersection(top)) / len(scan.relevant)
@@ -310,7 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--window", type=int, default=0, help="--rerank orders only the first N kept cards"
     )
+    parser.add_argument(
+        "--gate", action="store_true", help="a threshold keeps all of a scan's cards or none"
+    )
     arguments = parser.parse_args(argv)
+    global GATE
+    GATE = arguments.gate
     if bool(arguments.only) != bool(arguments.at):
         parser.error("--only and --at go together")
     sys.path.insert(0, arguments.tactmem)
