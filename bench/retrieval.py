@@ -227,7 +227,19 @@ RERANK: dict[str, Feature] = {  # the seventh round: cards ordered by score x th
     "R3": by_count,
 }
 Order = Callable[[Scan, list[Card]], list[Card]]  # the cards a threshold keeps, in card order
-ORDER: list[Order] = [lambda scan, cards: cards]  # BM25's, unless --rerank
+
+
+def reranked(weight: Feature, window: int | None) -> Order:
+    """The seventh round's order: the first `window` cards (all of them with None) by score
+    times `weight`, a stable sort (ties stay in BM25 order)."""
+    return lambda scan, cards: sorted(cards[:window], key=lambda c: -c[1] * weight(scan, c))
+
+
+def bm25_order(scan: Scan, cards: list[Card]) -> list[Card]:
+    return cards  # the ranking's own order, as the store gives it
+
+
+ORDER: Order = bm25_order  # unless --rerank
 GATE = False  # --gate: a threshold keeps a scan's cards (all of them) or none, not card by card
 Keep = Callable[[Scan, int, Card], bool]  # is the card at this rank kept?
 Rule = Callable[[float, float], Keep]  # a two-parameter rule at (t, u)
@@ -268,7 +280,7 @@ def figures(scans: Sequence[Scan], keep: Keep) -> Figures:
         passing = [card for rank, card in enumerate(scan.cards) if keep(scan, rank, card)]
         if GATE and passing:  # the ninth round: a scan keeps all its cards, or none
             passing = list(scan.cards)
-        top = [card[0] for card in ORDER[0](scan, passing)[:wanted]]
+        top = [card[0] for card in ORDER(scan, passing)[:wanted]]
         if scan.relevant:
             found = len(scan.relevant.intersection(top)) / len(scan.relevant)
             recall.append(found)
@@ -285,7 +297,7 @@ def kinds(scans: Sequence[Scan]) -> dict[str, float]:
     for scan in scans:
         if scan.category == "paraphrase" and scan.relevant:
             kind = scan.note.removeprefix("kind: ").split()[0] if "kind:" in scan.note else ""
-            top = {card[0] for card in ORDER[0](scan, scan.cards)[:5]}
+            top = {card[0] for card in ORDER(scan, scan.cards)[:5]}
             found[kind or "unlabelled"].append(len(scan.relevant & top) / len(scan.relevant))
     return {kind: sum(values) / len(values) for kind, values in sorted(found.items())}
 
@@ -295,7 +307,7 @@ def confusion(scans: Sequence[Scan]) -> tuple[int, int]:
     record, and how many `workspace` scans there are."""
     named = [scan for scan in scans if scan.category == "workspace" and scan.relevant]
     wrong = [
-        not (top := ORDER[0](scan, scan.cards)) or top[0][0] not in scan.relevant for scan in named
+        not (top := ORDER(scan, scan.cards)) or top[0][0] not in scan.relevant for scan in named
     ]
     return sum(wrong), len(named)
 
@@ -318,10 +330,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--gate", action="store_true", help="a threshold keeps all of a scan's cards or none"
     )
     arguments = parser.parse_args(argv)
-    global GATE
-    GATE = arguments.gate
     if bool(arguments.only) != bool(arguments.at):
         parser.error("--only and --at go together")
+    if arguments.window and not arguments.rerank:
+        parser.error("--window goes with --rerank")
+    global ORDER, GATE  # what --rerank, --window and --gate make of `figures` and the rest
+    GATE = arguments.gate
     sys.path.insert(0, arguments.tactmem)
     import tactmem
 
@@ -332,8 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     scans = [scan for path in arguments.files for scan in replay(tactmem, path)]
     if arguments.rerank:
-        weight, window = RERANK[arguments.rerank], arguments.window or None
-        ORDER[0] = lambda scan, cards: sorted(cards[:window], key=lambda c: -c[1] * weight(scan, c))
+        ORDER = reranked(RERANK[arguments.rerank], arguments.window or None)
     base, _, per = figures(scans, floor(CANDIDATES["A0 coverage"][0], 0.0))
     print(f"{len(scans)} scans from {tactmem.__file__}; recall@5 at 0: {base:.3f}")
     print("  " + ", ".join(f"{name} {value:.3f}" for name, value in sorted(per.items())))
