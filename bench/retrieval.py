@@ -291,6 +291,23 @@ def figures(scans: Sequence[Scan], keep: Keep) -> Figures:
     return sum(recall) / len(recall), sum(false) / max(1, len(false)), mean
 
 
+def reciprocal(scans: Sequence[Scan], keep: Keep) -> tuple[float, dict[str, float]]:
+    """MRR over the scans with an answer, overall and per category, as `tactmem eval` takes
+    it: one over the rank of the first relevant card of the five kept (0 with none)."""
+    found = defaultdict[str, list[float]](list)
+    for scan in scans:
+        if scan.relevant:
+            passing = [card for rank, card in enumerate(scan.cards) if keep(scan, rank, card)]
+            if GATE and passing:
+                passing = list(scan.cards)
+            top = [card[0] for card in ORDER(scan, passing)[:5]]
+            first = next((n for n, doc in enumerate(top, 1) if doc in scan.relevant), None)
+            found[scan.category].append(0.0 if first is None else 1 / first)
+    every = [value for values in found.values() for value in values]
+    mean = {name: sum(values) / len(values) for name, values in sorted(found.items())}
+    return sum(every) / max(1, len(every)), mean
+
+
 def kinds(scans: Sequence[Scan]) -> dict[str, float]:
     """Paraphrase recall@5 at 0 per kind (the note's `kind:`; `unlabelled` without one)."""
     found = defaultdict[str, list[float]](list)
@@ -351,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(scans)} scans from {tactmem.__file__}; recall@5 at 0: {base:.3f}")
     print("  " + ", ".join(f"{name} {value:.3f}" for name, value in sorted(per.items())))
     print("  paraphrase by kind: " + ", ".join(f"{k} {v:.3f}" for k, v in kinds(scans).items()))
+    overall, by_category = reciprocal(scans, floor(CANDIDATES["A0 coverage"][0], 0.0))
+    print(f"  MRR at 0 {overall:.3f}: " + ", ".join(f"{k} {v:.3f}" for k, v in by_category.items()))
     wrong, named = confusion(scans)
     print(f"  cross-workspace confusion: {wrong}/{named} = {wrong / max(1, named):.3f}")
     if arguments.only:
@@ -382,6 +401,8 @@ def fixed(scans: Sequence[Scan], code: str, at: list[float], per: dict[str, floa
     recall, false, mean = figures(scans, keep)
     print(f"{code} at {' '.join(map(str, at))}: recall@5 {recall:.3f} false retrieval {false:.3f}")
     print("  " + ", ".join(f"{k} {per[k]:.3f} -> {v:.3f}" for k, v in sorted(mean.items())))
+    overall, by_category = reciprocal(scans, keep)
+    print(f"  MRR {overall:.3f}: " + ", ".join(f"{k} {v:.3f}" for k, v in by_category.items()))
     return 0
 
 
