@@ -1730,22 +1730,20 @@ class _Corpus:
         df = len(self.postings.get(term, ()))
         return math.log(1 + (len(self.counts) - df + 0.5) / (df + 0.5))
 
-    def evidence(self, terms: Sequence[str]) -> Callable[[int], tuple[float, float]]:
-        """How much of the query a document holds, two ways in [0, 1]. The query's subject
-        terms are its distinct terms less function words (all of them if every one is one);
-        a document holds one it has as it is or by `_stem`. Its coverage weighs each by the
-        square root of its BM25 idf, and is the share of that weight held; its coordination
-        is the share of the subject terms held, each counting 1."""
+    def coverage(self, terms: Sequence[str]) -> Callable[[int], float]:
+        """How much of the query's evidence a document holds, in [0, 1]: each distinct query
+        term that is not a function word (all of them if every one is) weighs the square root
+        of its BM25 idf, and the share of that weight whose terms the document holds, as they
+        are or by `_stem`, is its coverage."""
         subject = [term for term in terms if term not in _FUNCTION_WORDS] or terms
         weights = [(term, _stem(term), math.sqrt(self.idf(term))) for term in subject]
         total = sum(weight for _, _, weight in weights)
 
-        def of(doc_id: int) -> tuple[float, float]:
+        def of(doc_id: int) -> float:
             counts, stems = self.counts[doc_id], self._stems.get(doc_id)
             if stems is None:
                 stems = self._stems[doc_id] = frozenset(map(_stem, counts))
-            held = [weight for term, stem, weight in weights if term in counts or stem in stems]
-            return sum(held) / total, len(held) / len(weights)
+            return sum(w for term, stem, w in weights if term in counts or stem in stems) / total
 
         return of
 
@@ -1941,25 +1939,20 @@ def _check_min_coverage(value: float) -> float:
 def _plan_scan(
     corpus: _Corpus, terms: Sequence[str], limit: int, limits: Limits, min_coverage: float = 0.0
 ) -> _ScanPlan:
-    """Rank the visible corpus: the first `limits.scan_results` records in BM25 order whose
-    coverage is at least `min_coverage` (with a `min_coverage` above 0 the whole ranking is
-    walked, so a weak record never takes the place of a covering one below it), ordered by
-    score times coordination (`_Corpus.evidence`; ties in BM25 order), so that a record
-    holding more of what was asked leads one that scored on function words; of them, the
-    first `limit` (none for a limit below 1) are the cards, each with a preview. Only the
-    cards returned get scan telemetry."""
+    """Rank the visible corpus: at most `limits.scan_results` cards (none for a limit below 1)
+    of records whose coverage is at least `min_coverage`, best first, each with a preview; only
+    the cards returned get scan telemetry. With a `min_coverage` above 0 the whole ranking is
+    walked, so a weak record never takes the place of a covering one below it."""
     room = max(0, min(limit, limits.scan_results))
-    window = limits.scan_results if room else 0
-    ranked = corpus.rank(terms, window if min_coverage <= 0 or not room else len(corpus.counts))
+    ranked = corpus.rank(terms, room if min_coverage <= 0 or not room else len(corpus.counts))
     kept = []
-    if ranked:  # the evidence weighs the terms by the idfs this ranking worked out
-        evidence = corpus.evidence(terms)
-        covered = ((doc_id, score, *evidence(doc_id)) for doc_id, score in ranked)
-        passing = itertools.islice((card for card in covered if card[2] >= min_coverage), window)
-        kept = sorted(passing, key=lambda card: -card[1] * card[3])[:room]  # stable sort
+    if ranked:  # coverage weighs the terms by the idfs this ranking worked out
+        coverage = corpus.coverage(terms)
+        covered = ((doc_id, score, coverage(doc_id)) for doc_id, score in ranked)
+        kept = list(itertools.islice((card for card in covered if card[2] >= min_coverage), room))
     cards = tuple(
         Candidate(Key(doc_id, corpus.rows[doc_id][1]), preview(corpus.contents[doc_id]), *scores)
-        for doc_id, *scores, _ in kept
+        for doc_id, *scores in kept
     )
     reason: _Abstention | None = (
         None if cards

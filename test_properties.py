@@ -803,67 +803,6 @@ def test_a_pruned_rank_equals_a_naive_full_one(
         assert corpus.rank(terms, limit) == full_bm25(terms, visible, limit)
 
 
-@given(
-    docs=st.dictionaries(st.integers(min_value=1, max_value=40), _PRUNED_DOC.map(" ".join)),
-    words=st.lists(st.sampled_from((*_PRUNED_WORDS, "nowhere")), min_size=1, max_size=5),
-    limit=st.integers(min_value=1, max_value=5),
-    floor=st.sampled_from([0.0, 0.0, 0.3, 0.6]),
-)
-@example(
-    docs={1: "the the", 2: "rust" + " common" * 5, 3: "x"},
-    words=["the", "rust"],
-    limit=1,
-    floor=0.0,
-)  # the first by score holds only a function word: the record holding the subject leads
-@example(
-    docs={n: "rust" if n % 2 else "sqlite" for n in range(1, 6)}
-    | {6: "rust sqlite" + " common" * 6},
-    words=["rust", "sqlite"],
-    limit=5,
-    floor=0.0,
-)  # the best product is sixth in BM25's order: not among the five, so not a card
-@example(
-    docs={n: "rust" if n % 2 else "sqlite" for n in range(1, 5)}
-    | {5: "rust sqlite" + " common" * 6},
-    words=["rust", "sqlite"],
-    limit=1,
-    floor=0.0,
-)  # the best product is fifth: the last of the five, and it leads, whatever the limit
-@example(
-    docs={n: "rust" if n % 2 else "sqlite" for n in range(1, 25)}
-    | {25: "rust sqlite" + " common" * 30},
-    words=["rust", "sqlite"],
-    limit=5,
-    floor=0.6,
-)  # the one record the floor keeps is the last of 25: a floor walks the whole ranking
-@example(
-    docs={1: "x x", 2: "the sqlite", 3: "common", 4: "sqlite", 5: "x rust"},
-    words=["the", "sqlite", "common"],
-    limit=1,
-    floor=0.0,
-)  # score times coverage would put record 3 first: coordination counts terms, not their idf
-def test_a_scans_cards_are_its_five_ordered_by_score_times_coordination(
-    docs: dict[int, str], words: list[str], limit: int, floor: float
-) -> None:
-    """A scan's cards are the first five records of the whole BM25 ranking whose coverage
-    reaches `min_coverage` (the records a scan returned before the order), sorted by score
-    times `coordination_of` (ties in BM25 order) and cut to the limit; so a smaller limit gives
-    a prefix of a larger's, and the five are the same whatever their order."""
-    corpus = tactmem._Corpus()
-    corpus.update([(doc_id, 1, content) for doc_id, content in docs.items()])
-    query = " ".join(words)
-    terms = tactmem._query_terms(query)
-    texts = list(docs.values())
-    everything = [
-        (doc_id, score, coverage_of(query, docs[doc_id], texts))
-        for doc_id, score in full_bm25(terms, docs.items(), len(docs))
-    ]
-    kept = [card for card in everything if card[2] >= floor][:5]
-    kept.sort(key=lambda card: -card[1] * coordination_of(query, docs[card[0]]))
-    cards = tactmem._plan_scan(corpus, terms, limit, Limits(), floor).result.candidates
-    assert [(c.key.id, c.score, c.coverage) for c in cards] == kept[:limit]
-
-
 # ============================================================ store rules
 
 
@@ -1360,16 +1299,6 @@ def coverage_of(query: str, content: str, docs: Sequence[str]) -> float:
     return hit / sum(weights)
 
 
-def coordination_of(query: str, content: str) -> float:
-    """The share of the query's subject terms (coverage's, each weighing 1) that `content`
-    holds as they are or by stem: a scan orders its cards by score times this."""
-    terms = sorted(set(tokenize(query)))
-    subject = [term for term in terms if term not in tactmem._FUNCTION_WORDS] or terms
-    held = set(tokenize(content))
-    stems = {tactmem._stem(term) for term in held}
-    return sum(t in held or tactmem._stem(t) in stems for t in subject) / len(subject)
-
-
 def utf8_size(text: str) -> int:
     return len(text.encode("utf-8"))
 
@@ -1477,9 +1406,7 @@ class Model:
             for doc_id, score in everything
         ]
         ranked = [card for card in covered if card[2] >= min_coverage]
-        ranked = ranked[: self.limits.scan_results]  # the five the order applies to
-        ranked.sort(key=lambda card: -card[1] * coordination_of(query, rows[card[0]].content))
-        ranked = ranked[: min(limit, self.limits.scan_results)]  # ties stay in BM25 order
+        ranked = ranked[: min(limit, self.limits.scan_results)]
         candidates = tuple(
             Candidate(rows[doc_id].key, preview(rows[doc_id].content), score, coverage)
             for doc_id, score, coverage in ranked

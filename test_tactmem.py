@@ -643,8 +643,7 @@ def test_plan_scan_clamps_ranks_visible_rows_and_says_why_it_abstains() -> None:
 
 def test_coverage_is_the_root_idf_share_of_the_subject_terms_held() -> None:
     """docs/evaluation.md's definition, by hand: function words leave the query, each other term
-    weighs sqrt(idf), and a record holds a term as it is or by its stem; coordination is the
-    share of those terms held, each counting 1."""
+    weighs sqrt(idf), and a record holds a term as it is or by its stem."""
     corpus = tactmem._Corpus()
     texts = ["ledgerline migrations run in CI", "ledgerline releases", "the tokio runtime"]
     corpus.update([(doc_id, 1, text) for doc_id, text in enumerate(texts, start=1)])
@@ -656,11 +655,11 @@ def test_coverage_is_the_root_idf_share_of_the_subject_terms_held() -> None:
         return math.sqrt(math.log(1 + (3 - df + 0.5) / (df + 0.5)))
 
     everything = weight(2) + weight(0) + weight(1)  # ledgerline, migration, run
-    assert corpus.evidence(terms)(1) == ((weight(2) + weight(0) + weight(1)) / everything, 1.0)
-    assert corpus.evidence(terms)(2) == (weight(2) / everything, 1 / 3)
+    assert corpus.coverage(terms)(1) == (weight(2) + weight(0) + weight(1)) / everything
+    assert corpus.coverage(terms)(2) == weight(2) / everything
     only_grammar = tactmem._query_terms("how does the")
     corpus.rank(only_grammar, 3)
-    assert corpus.evidence(only_grammar)(3) == (weight(1) / (weight(0) * 2 + weight(1)), 1 / 3)
+    assert corpus.coverage(only_grammar)(3) == weight(1) / (weight(0) * 2 + weight(1))
     assert tactmem._stem("migrations") == tactmem._stem("migration") == "migr"
     assert tactmem._stem("tags") == "tags" and tactmem._stem("日本語") == "日本語"
 

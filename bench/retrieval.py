@@ -15,9 +15,8 @@ subject terms held (the seventh round's R1 to R3; a stable sort, ties in BM25 or
 `--window 20` only the first 20 of them (R3 as it was implemented, then reverted). `--gate`
 makes a threshold keep all of a scan's cards when any reaches it, else none (the ninth round).
 `--only B2 --at 0.28 0.30` scores one candidate at a fixed point and nothing else (the kept-out
-set is scored so, once per accepted candidate: rule 4). Cards are in BM25 order unless
-`--rerank` says otherwise: the store's own scan since the tenth round is `--rerank R3 --window 5`
-(R4). Public names only; nothing here is a target.
+set is scored so, once per accepted candidate: rule 4). Public names only; nothing here is a
+target.
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ def scored(
     store.scan(step["query"], now_ms=now)  # brings the statistics up to date
     corpus, terms = core.store_corpus(store), core.query_terms(step["query"])
     ranked = corpus.rank(terms, len(corpus.counts))
-    coverage = coverage_of(corpus, terms) if ranked else None
+    coverage = corpus.coverage(terms) if ranked else None
     n = len(corpus.counts)
     df = {term: len(corpus.postings.get(term, {})) for term in terms}
     idf = {term: math.log(1 + (n - df[term] + 0.5) / (df[term] + 0.5)) for term in terms}
@@ -112,15 +111,6 @@ def scored(
     ]
     category, note = step.get("category", "uncategorized"), step.get("note", "")
     return Scan(category, note, relevant, subject, idf, df, cards)
-
-
-def coverage_of(corpus: Any, terms: list[str]) -> Callable[[int], float]:
-    """Each card's coverage: the first of `evidence`'s pair, or `coverage` in a `--tactmem`
-    copy from before the tenth round."""
-    if not hasattr(corpus, "evidence"):
-        return corpus.coverage(terms)  # type: ignore[no-any-return]
-    evidence = corpus.evidence(terms)
-    return lambda doc: evidence(doc)[0]
 
 
 def held(core: Any, subject: list[str], counts: dict[str, int]) -> frozenset[str]:

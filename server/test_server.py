@@ -1956,7 +1956,7 @@ def test_the_array_corpus_ranks_as_the_core_does(seed: int) -> None:
             assert arrays.rank(terms, limit) == expected
             assert all(type(score) is float for _, score in arrays.rank(terms, limit))
             if expected:
-                of, ours = core.evidence(terms), arrays.evidence(terms)
+                of, ours = core.coverage(terms), arrays.coverage(terms)
                 assert [ours(doc) for doc, _ in expected] == [of(doc) for doc, _ in expected]
 
 
@@ -1964,9 +1964,7 @@ def recomputed_scan(
     rows: dict[tuple[str, int], tactmem.Record], query: str, limit: int, now_ms: int
 ) -> list[dict[str, Any]]:
     """A scan's answer worked out afresh from every row: those a prune keeps and a read may
-    return (`_served`), ranked by the core's pure `rank` over one new corpus; its first five
-    ordered by score times the share of the query's subject terms each holds (ties in BM25
-    order)."""
+    return (`_served`), ranked by the core's pure `rank` over one new corpus."""
     served = {
         tactmem_server._doc_id(ns, doc_id): (ns, record)
         for (ns, doc_id), record in rows.items()
@@ -1974,23 +1972,13 @@ def recomputed_scan(
         and tactmem_server._served(ns, record)
     }
     docs = [(doc_id, record.content) for doc_id, (_, record) in served.items()]
-    terms = tactmem.core.query_terms(query)
-    subject = [term for term in terms if term not in tactmem.core.FUNCTION_WORDS] or terms
-
-    def share(doc_id: int) -> float:
-        held = set(tactmem.tokenize(served[doc_id][1].content))
-        stems = set(map(tactmem.core.stem, held))
-        return sum(t in held or tactmem.core.stem(t) in stems for t in subject) / len(subject)
-
-    five = tactmem.rank(query, docs, limit=tactmem_server.LIMITS.scan_results)
-    ranked = sorted(five, key=lambda card: -card[1] * share(card[0]))
     return [
         {
             "key": tactmem_server.wire_key(served[doc_id][0], served[doc_id][1].key),
             "preview": tactmem.preview(served[doc_id][1].content),
             "score": score,
         }
-        for doc_id, score in ranked[:limit]
+        for doc_id, score in tactmem.rank(query, docs, limit=limit)
     ]
 
 
