@@ -2624,6 +2624,25 @@ def test_namespace_store_is_one_principals_backend(backend: list[str]) -> None:
         store.close()
 
 
+def test_a_team_scan_answers_in_score_order_as_protocol_v1_and_its_clients_expect(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Protocol v1 sends a scan's cards by score, high to low, and the original's client and
+    tactmem's (`NamespaceStore`, `RemoteStore`, the server's own `/mcp` tool) refuse any other
+    order. So the team scan keeps BM25's order even where the first card holds only a function
+    word (an order by what a card holds, as issue 28's tenth round tried, would put it last)."""
+    store = tactmem_server.TeamStore(tactmem_server.SqliteEngine(str(tmp_path / "team.db")))
+    alice = tactmem_server.NamespaceStore(store, tactmem_server.Principal("alice", "writer"))
+    try:
+        for text in ("the the", "rust" + " common" * 5, "x"):
+            alice.put(text)
+        cards = alice.scan("the rust").candidates  # through `_remote_cards`, as a client reads
+        assert [card.preview for card in cards] == ["the the", "rust" + " common" * 5]
+        assert cards[0].score > cards[1].score
+    finally:
+        store.close()
+
+
 def test_postgresql_round_trips_a_scan_two_a_read_and_a_put_three(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
