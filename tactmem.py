@@ -1681,10 +1681,11 @@ class _Corpus:
         rest = [*reversed([*itertools.accumulate(bounds[i][0] for i in reversed(order))]), 0.0]
         margin, scores, closed = rest[0] * 1e-9, dict[int, float](), False
         for step, i in enumerate(order):
-            if not closed and rest[0] - rest[step] > rest[step]:  # else none can beat the rest
-                closed = self._kth(scores, limit) - margin > rest[step]
-            if closed:  # the floor only rises: a partial score only grows
-                lookup, cut = bounds[i][1], self._kth(scores, limit) - margin - rest[step]
+            if closed or rest[0] - rest[step] > rest[step]:  # else none can beat the rest
+                floor = self._kth(scores, limit) - margin  # it only rises: scores only grow
+                closed = closed or floor > rest[step]
+            if closed:
+                lookup, cut = bounds[i][1], floor - rest[step]
                 scores = {p: s + lookup.get(p, 0.0) for p, s in scores.items() if s >= cut}
             else:
                 for position, weight in zip(*found[i][:2], strict=True):

@@ -271,16 +271,21 @@ def floor(feature: Feature, value: float) -> Keep:
     return lambda scan, rank, card: feature(scan, card) >= value
 
 
+def kept(scan: Scan, keep: Keep) -> list[Card]:
+    """The cards `keep` keeps (walking the whole ranking, as `min_coverage` does), in `ORDER`."""
+    passing = [card for rank, card in enumerate(scan.cards) if keep(scan, rank, card)]
+    if GATE and passing:  # the ninth round: a scan keeps all its cards, or none
+        passing = list(scan.cards)
+    return ORDER(scan, passing)
+
+
 def figures(scans: Sequence[Scan], keep: Keep) -> Figures:
     """Recall@5, false retrieval and recall@5 per category, keeping the cards `keep` keeps
     (walking the whole ranking, as `min_coverage` does)."""
     recall, false, per = [], [], defaultdict[str, list[float]](list)
     for scan in scans:
         wanted = 5 if scan.relevant else 1  # a scan without an answer needs one card to fail
-        passing = [card for rank, card in enumerate(scan.cards) if keep(scan, rank, card)]
-        if GATE and passing:  # the ninth round: a scan keeps all its cards, or none
-            passing = list(scan.cards)
-        top = [card[0] for card in ORDER(scan, passing)[:wanted]]
+        top = [card[0] for card in kept(scan, keep)[:wanted]]
         if scan.relevant:
             found = len(scan.relevant.intersection(top)) / len(scan.relevant)
             recall.append(found)
@@ -297,10 +302,7 @@ def reciprocal(scans: Sequence[Scan], keep: Keep) -> tuple[float, dict[str, floa
     found = defaultdict[str, list[float]](list)
     for scan in scans:
         if scan.relevant:
-            passing = [card for rank, card in enumerate(scan.cards) if keep(scan, rank, card)]
-            if GATE and passing:
-                passing = list(scan.cards)
-            top = [card[0] for card in ORDER(scan, passing)[:5]]
+            top = [card[0] for card in kept(scan, keep)[:5]]
             first = next((n for n, doc in enumerate(top, 1) if doc in scan.relevant), None)
             found[scan.category].append(0.0 if first is None else 1 / first)
     every = [value for values in found.values() for value in values]
